@@ -1,0 +1,129 @@
+"""Batched sampling over `[rows, vocab]` logits, under optional per-row allowed-token bitmasks.
+
+A mask is uint32 words: token i is allowed when bit (i & 31) of word (i >> 5) is set. It is
+expanded to one byte per token with a 256-entry lookup table into a buffer kept across steps
+(`np.take(..., out=)`), then applied with one in-place `masked_fill_`: no Python loop over the
+vocabulary and no vocab-sized allocation per step.
+
+Randomness: every sequence owns a `numpy.random.Generator`; a sampled token consumes exactly
+one uniform draw from it (inverse-CDF sampling), so a seeded request gives the same tokens
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .sequence import SamplingParams
+
+assert sys.byteorder == "little", "mask words are read as little-endian bytes"
+
+# _FORBIDDEN_BITS[b, j] is True when bit j of byte b is clear (token not allowed).
+_FORBIDDEN_BITS = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1) == 0
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]  # -1 where the mask allowed no token
+    logprobs: list[dict | None]  # {"token": id, "logprob": float, "top": [(id, logprob), ...]}
+
+
+class Sampler:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._forbidden = np.zeros((0, self.num_words * 32), dtype=bool)
+
+    def _forbidden_rows(self, n: int) -> np.ndarray:
+        if self._forbidden.shape[0] < n:  # grows rarely: reused across steps
+            self._forbidden = np.zeros((max(n, 2 * self._forbidden.shape[0]), self.num_words * 32), dtype=bool)
+        return self._forbidden
+
+    def apply_masks(self, logits: torch.Tensor, masks: list[np.ndarray | None]) -> None:
+        """Set logits of disallowed tokens to -inf, in place."""
+        rows = [i for i, m in enumerate(masks) if m is not None]
+        if not rows:
+            return
+        buf = self._forbidden_rows(len(rows))
+        for j, i in enumerate(rows):
+            words = masks[i]
+            if words.dtype != np.uint32 or words.shape != (self.num_words,):
+                raise ValueError(f"sample mask must be {self.num_words} uint32 words, got {words.dtype} {words.shape}")
+            np.take(_FORBIDDEN_BITS, words.view(np.uint8), axis=0, out=buf[j].reshape(-1, 8))
+        forbidden = torch.from_numpy(buf[: len(rows), : logits.shape[1]])
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(forbidden.to(logits.device), float("-inf"))
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            sub = logits.index_select(0, index).masked_fill_(forbidden.to(logits.device), float("-inf"))
+            logits.index_copy_(0, index, sub)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[np.random.Generator],
+               masks: list[np.ndarray | None] | None = None) -> SampleOutput:
+        """logits: [rows, V] float (modified in place). One token per row."""
+        n = logits.shape[0]
+        logits = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
+        if masks is not None:
+            self.apply_masks(logits, masks)
+        want_logprobs = [p.logprobs is not None for p in params]
+        logprob_table = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device) if len(greedy) < n else None
+            rows = logits if idx is None else logits.index_select(0, idx)
+            best = rows.argmax(dim=-1)
+            if idx is None:
+                tokens.copy_(best)
+            else:
+                tokens.index_copy_(0, idx, best)
+        if sampled:
+            tokens_s = self._sample_rows(logits, sampled, params, rngs)
+            tokens.index_copy_(0, torch.tensor(sampled, device=logits.device), tokens_s)
+
+        # A row whose mask allowed nothing has only -inf logits.
+        dead = torch.isneginf(logits.max(dim=-1).values)
+        tokens.masked_fill_(dead, -1)
+        token_list = tokens.tolist()
+        lps: list[dict | None] = [None] * n
+        if logprob_table is not None:
+            for i, p in enumerate(params):
+                if p.logprobs is None or token_list[i] < 0:
+                    continue
+                row = logprob_table[i]
+                top = []
+                if p.logprobs:
+                    values, ids = row.topk(p.logprobs)
+                    top = list(zip(ids.tolist(), values.tolist()))
+                lps[i] = {"token": token_list[i], "logprob": row[token_list[i]].item(), "top": top}
+        return SampleOutput(token_list, lps)
+
+    def _sample_rows(self, logits, rows, params, rngs) -> torch.Tensor:
+        index = torch.tensor(rows, device=logits.device)
+        x = logits.index_select(0, index)
+        temps = torch.tensor([params[i].temperature for i in rows], dtype=x.dtype, device=x.device)
+        x.div_(temps.unsqueeze(1))
+        for j, i in enumerate(rows):
+            p = params[i]
+            if 0 < p.top_k < x.shape[1]:
+                kth = x[j].topk(p.top_k).values[-1]
+                x[j].masked_fill_(x[j] < kth, float("-inf"))
+            if p.top_p < 1.0:
+                sorted_x, order = x[j].sort(descending=True)
+                sorted_p = sorted_x.softmax(-1)
+                # Drop a token once the mass before it already reaches top_p (the first always stays).
+                drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+                x[j].index_fill_(0, order[drop], float("-inf"))
+        probs = x.softmax(dim=-1)
+        cdf = probs.cumsum_(dim=-1)
+        u = torch.tensor([rngs[i].random() for i in rows], dtype=cdf.dtype, device=cdf.device)
+        u.mul_(cdf[:, -1])  # scale by the total (float rounding) so u never exceeds the last bin
+        picked = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1)
+        return picked.clamp_(max=x.shape[1] - 1)

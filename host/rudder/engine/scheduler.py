@@ -1,0 +1,110 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Running sequences go first (their pending tokens: one sampled token, or several fast-forwarded
+ones); waiting sequences are admitted while the step's token budget and the free KV blocks
+allow, with long prompts fed in chunks. When the KV cache runs out, the most recently admitted
+sequence is preempted (its blocks freed, recomputed later); a sequence that cannot fit even
+alone fails with a clear reason instead of stalling the engine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .block_manager import BlockManager, KVCacheFull
+from .model_runner import ScheduledSeq
+from .sequence import Sequence, SeqStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int = 512, max_seqs: int = 64):
+        self.bm = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or cancelled sequence out and release its KV blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.bm.tables:
+            self.bm.free(seq.seq_id)
+
+    def schedule(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """Plan one step. Returns the batch and the sequences that cannot ever fit (to fail)."""
+        batch: list[ScheduledSeq] = []
+        unfit: list[Sequence] = []
+        budget = self.max_batch_tokens
+        capacity = self.bm.num_blocks * self.bm.block_size
+
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below to make room for an earlier one
+                continue
+            n = min(seq.num_pending, budget)
+            if n <= 0:
+                continue
+            if len(seq) > capacity:
+                unfit.append(seq)
+                continue
+            while True:
+                try:
+                    slots = self.bm.append(seq.seq_id, n)
+                    break
+                except KVCacheFull:
+                    victim = self.running[-1]
+                    budget += self._preempt(victim, batch)
+                    if victim is seq:
+                        slots = None
+                        break
+            if slots is None:
+                continue
+            batch.append(ScheduledSeq(seq, n, slots, self.bm.tables[seq.seq_id], n == seq.num_pending))
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            if len(seq) > capacity:
+                self.waiting.popleft()
+                unfit.append(seq)
+                continue
+            # Admit only when the whole pending part fits now, so admission does not thrash.
+            if self.bm.blocks_needed(None, seq.num_pending) > self.bm.num_free:
+                if not self.running:  # the cache is empty and it still does not fit
+                    unfit.append(self.waiting.popleft())
+                    continue
+                break
+            self.waiting.popleft()
+            n = min(seq.num_pending, budget)
+            self.bm.add(seq.seq_id)
+            slots = self.bm.append(seq.seq_id, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, n, slots, self.bm.tables[seq.seq_id], n == seq.num_pending))
+            budget -= n
+        return batch, unfit
+
+    def _preempt(self, victim: Sequence, batch: list[ScheduledSeq]) -> int:
+        """Free the victim's blocks (it is recomputed from scratch when readmitted).
+        Returns the step tokens this gives back."""
+        given_back = 0
+        for i, entry in enumerate(batch):
+            if entry.seq is victim:
+                given_back = entry.num_tokens
+                del batch[i]
+                break
+        self.running.remove(victim)
+        self.bm.free(victim.seq_id)
+        victim.num_cached = 0
+        victim.status = SeqStatus.WAITING
+        self.waiting.appendleft(victim)
+        return given_back

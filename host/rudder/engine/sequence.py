@@ -1,0 +1,94 @@
+"""A sequence being decoded: its tokens, how many of them are in the KV cache, and its settings."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each token. temperature 0 = greedy; top_k 0 / top_p 1 = no truncation."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's plus the top n
+
+    def validate(self) -> "SamplingParams":
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+class SeqStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """`token_ids[:num_cached]` are in the KV cache; the rest wait to be fed to the model.
+
+    A prompt waits in full; after sampling, one token waits; a controller's fast-forward can
+    queue several. A backtrack removes tokens from the end (and from the cache)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator,
+                 request_id: int, branch: int = 0):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.branch = branch
+        self.token_ids = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.num_cached = 0
+        self.params = params
+        self.rng = rng
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.logprobs: list[dict] = []
+        self.sample_mask: np.ndarray | None = None  # uint32 words for the next sample, or None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, len={len(self)}, cached={self.num_cached}, {self.status.name})"

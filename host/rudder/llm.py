@@ -1,0 +1,82 @@
+"""The Python API: load a model, then generate (batched) or stream.
+
+    from rudder import LLM, SamplingParams
+    llm = LLM("smollm2")
+    [out] = llm.generate(["Name a colour."], SamplingParams(max_tokens=20), chat=True)
+    print(out.text)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from .config import TINY_CONFIG
+from .engine import Completion, Delta, Engine, SamplingParams
+from .engine.llm_engine import StepHook
+from .model import build_model
+from .tokenizer import Tokenizer
+
+
+def load_model(spec: str = "smollm2", device: str | torch.device = "cpu"):
+    """(model, tokenizer) for "smollm2", "tiny" (random weights, for tests), a .gguf file or an
+    HF-style folder."""
+    if spec == "tiny":
+        return build_model(TINY_CONFIG, None, device), Tokenizer.byte_level(TINY_CONFIG.vocab_size)
+    from .weights import load_checkpoint
+
+    cfg, state_dict, folder = load_checkpoint(spec)
+    return build_model(cfg, state_dict, device), Tokenizer.from_folder(folder)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", **engine_options):
+        self.model, self.tokenizer = load_model(model, device)
+        self.engine = Engine(self.model, self.tokenizer, **engine_options)
+
+    def prompt_text(self, prompt: str | list[dict], chat: bool) -> str:
+        """A chat prompt (a message list, or one user message) is rendered with the model's template."""
+        if isinstance(prompt, list):
+            return self.tokenizer.apply_chat_template(prompt)
+        if chat:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return prompt
+
+    def generate(self, prompts: str | list[str] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, chat: bool = False, step_hooks: Iterable[StepHook | None] | None = None) -> list[Completion]:
+        """Run all prompts concurrently (continuous batching); one Completion per prompt, in order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        hooks = list(step_hooks) if step_hooks is not None else [None] * len(prompts)
+        if not len(params_list) == len(hooks) == len(prompts):
+            raise ValueError("prompts, params and step_hooks must have the same length")
+        requests = [self.engine.add_request(self.prompt_text(p, chat), sp, h)
+                    for p, sp, h in zip(prompts, params_list, hooks)]
+        try:
+            while not all(r.finished for r in requests):
+                self.engine.step()
+        except BaseException:
+            for r in requests:
+                self.engine.cancel(r.request_id)
+            raise
+        results = []
+        for r in requests:
+            results.extend(self.engine.completions(r))
+            self.engine.release(r)
+        return results
+
+    def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, *, chat: bool = False,
+               step_hook: StepHook | None = None) -> Iterator[Delta]:
+        """Yield text deltas as they are decoded. Closing the iterator cancels the request."""
+        req = self.engine.add_request(self.prompt_text(prompt, chat), params, step_hook)
+        try:
+            while not req.finished:
+                for delta in self.engine.step():
+                    if delta.request_id == req.request_id:
+                        yield delta
+        finally:
+            if not req.finished:
+                self.engine.cancel(req.request_id)
+            self.engine.release(req)

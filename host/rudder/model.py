@@ -1,0 +1,213 @@
+"""A Llama-family decoder in plain PyTorch, attending over a paged KV cache.
+
+One forward call takes a *ragged* batch: the new tokens of every scheduled sequence, laid out
+back to back (`[T]`), whatever their count per sequence (a prefill chunk, one decode token,
+several fast-forwarded tokens). Linear layers run on the flat `[T, hidden]` rows with no
+padding; only attention regroups the rows per sequence, through index tensors that the model
+runner builds once per step (`AttentionMetadata`) and every layer reuses.
+
+Checkpoints use Hugging Face Llama names (`layers.0.self_attn.q_proj.weight`, ...); q/k/v and gate/up
+are fused into one matmul each at load (`fuse_projections`). RoPE uses
+the rotate-half convention (the GGUF loader un-permutes llama.cpp's Q/K rows for this).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and which keys each query may see.
+
+    B sequences, T new tokens in all; Q = the longest run of new tokens of one sequence,
+    K = the longest context (cached + new) rounded up to whole blocks.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * block_size + offset) of each new token
+    query_gather: torch.Tensor  # [B*Q] int64: row of the flat batch for each padded query (T = a zero row)
+    query_scatter: torch.Tensor  # [T] int64: padded query index of each flat row
+    block_tables: torch.Tensor  # [B, K / block_size] int64: cache blocks of each sequence, in order
+    attn_mask: torch.Tensor  # [B, 1, Q, K] bool: True where the query may attend the key
+    batch: int
+    max_query: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    angles = torch.outer(torch.arange(cfg.max_position, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hd, kvh = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
+        # q, k and v projections fused into one matmul (one pass over x, one bigger GEMM).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * kvh) * hd, bias=cfg.attention_bias)
+        self.splits = (h * hd, kvh * hd, kvh * hd)
+        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(hd)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
+        cfg = self.cfg
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+
+        # Write the new keys/values into their cache slots, then read each sequence's whole
+        # context back through its block table (the new tokens included).
+        num_blocks, block_size = k_cache.shape[:2]
+        k_cache.view(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, meta.slot_mapping, v)
+        B, Q = meta.batch, meta.max_query
+        flat_tables = meta.block_tables.view(-1)
+        keys = k_cache.index_select(0, flat_tables).view(B, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat_tables).view(B, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+
+        if Q == 1 and B == T:  # pure decode: one query per sequence, already in order
+            queries = q.view(B, 1, cfg.num_heads, cfg.head_dim)
+        else:
+            padded = torch.cat([q, q.new_zeros(1, cfg.num_heads, cfg.head_dim)])
+            queries = padded.index_select(0, meta.query_gather).view(B, Q, cfg.num_heads, cfg.head_dim)
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=True
+        )  # [B, heads, Q, head_dim]
+        out = out.transpose(1, 2).reshape(B * Q, cfg.num_heads * cfg.head_dim)
+        if not (Q == 1 and B == T):
+            out = out.index_select(0, meta.query_scatter)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # gate and up projections fused into one matmul.
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the LM head. `layers` may be a contiguous slice of the
+    full stack (a pipeline stage); `first_layer` keeps the KV cache indexing global."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # RoPE tables [max_position, head_dim], filled by build_model on the model's device.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]. kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim].
+        Returns the final hidden states [T, hidden] (normalised; feed rows to `logits`)."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (without the `model.` prefix); fails on anything missing."""
+        fused = fuse_projections(state_dict, self.cfg)
+        expected = set(self.state_dict())
+        missing = expected - fused.keys()
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        # assign=True adopts the checkpoint tensors (memory-mapped where not fused) without a copy.
+        device = self.embed_tokens.weight.device
+        self.load_state_dict({k: fused[k].to(device=device, dtype=torch.float32) for k in expected},
+                             strict=True, assign=True)
+
+
+def fuse_projections(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF's separate q/k/v and gate/up tensors, concatenated into our fused ones."""
+    out = dict(state_dict)
+    for i in range(cfg.num_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            parts = [f"{a}{p}_proj.{kind}" for p in "qkv"]
+            if all(p in out for p in parts):
+                out[f"{a}qkv_proj.{kind}"] = torch.cat([out.pop(p) for p in parts])
+        parts = [f"{m}gate_proj.weight", f"{m}up_proj.weight"]
+        if all(p in out for p in parts):
+            out[f"{m}gate_up_proj.weight"] = torch.cat([out.pop(p) for p in parts])
+    return out
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,
+                device: torch.device | str = "cpu", seed: int = 0) -> LlamaModel:
+    """The model with the given weights, or random ones (the tiny test model) when None."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device)
+    cos, sin = rope_tables(cfg, torch.device(device))
+    model.rope_cos, model.rope_sin = cos, sin
+    if state_dict is None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.data.fill_(1.0)
+            elif p.dim() == 1:
+                p.data.zero_()
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+    else:
+        model.load_weights(state_dict)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,170 @@
+"""The engine loop: continuous batching, stops, streaming, cancellation, preemption, step hooks."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from rudder import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM("tiny", kv_cache_tokens=4096, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LLM("smollm2")
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
+           "Rudders steer ships because"]
+
+
+def solo(llm, prompts, params):
+    return [llm.generate([p], params)[0] for p in prompts]
+
+
+def test_batched_equals_one_at_a_time_tiny(tiny):
+    batched = tiny.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in batched] == [c.token_ids for c in solo(tiny, PROMPTS, GREEDY)]
+    assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for c in batched)
+
+
+@pytest.mark.model
+def test_batched_equals_one_at_a_time_smollm2(smol):
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    batched = smol.generate(PROMPTS, params, chat=True)
+    one_by_one = [smol.generate([p], params, chat=True)[0] for p in PROMPTS]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in one_by_one]
+
+
+@pytest.mark.model
+def test_smollm2_answers_coherently(smol):
+    [out] = smol.generate(["What is the capital of France? Answer in one word."],
+                          SamplingParams(max_tokens=10, temperature=0.0), chat=True)
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # it ended with <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in out.text
+
+
+def test_requests_joining_mid_decode_get_the_same_tokens(tiny):
+    """Continuous batching: a request admitted while others decode is unaffected by them."""
+    expected = [c.token_ids for c in solo(tiny, PROMPTS, GREEDY)]
+    engine = tiny.engine
+    reqs = [engine.add_request(PROMPTS[0], GREEDY)]
+    for p in PROMPTS[1:]:
+        for _ in range(3):
+            engine.step()
+        reqs.append(engine.add_request(p, GREEDY))
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert [engine.completions(r)[0].token_ids for r in reqs] == expected
+    for r in reqs:
+        engine.release(r)
+
+
+def test_seeded_sampling_repeats_and_is_batch_independent(tiny):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    a = tiny.generate(["hello"], params)[0].token_ids
+    b = tiny.generate(["other", "hello", "third"], [SamplingParams(seed=1, max_tokens=5), params,
+                                                   SamplingParams(seed=2, max_tokens=9)])[1].token_ids
+    c = tiny.generate(["hello"], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4321,
+                                                ignore_eos=True))[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_stream_deltas_add_up_and_stop_strings_cut(smol_or_tiny):
+    llm = smol_or_tiny
+    full = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    stop = full.text[5:8]  # a stop string known to appear
+    deltas = list(llm.stream("Count: 1, 2, 3,", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                                  stop=[stop, "never-there"])))
+    text = "".join(d.text for d in deltas)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
+    assert stop not in text
+    assert text == full.text[: full.text.find(stop)]
+
+
+@pytest.fixture(params=["tiny", pytest.param("smollm2", marks=pytest.mark.model)])
+def smol_or_tiny(request, tiny):
+    return tiny if request.param == "tiny" else request.getfixturevalue("smol")
+
+
+def test_cancel_frees_kv_blocks(tiny):
+    engine = tiny.engine
+    free = engine.block_manager.num_free
+    req = engine.add_request("a long enough prompt " * 5, SamplingParams(max_tokens=100))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free < free
+    engine.cancel(req.request_id)
+    assert engine.block_manager.num_free == free
+    assert req.seqs[0].finish_reason == "cancelled"
+    assert not engine.has_unfinished()
+
+
+def test_closing_a_stream_cancels(tiny):
+    free = tiny.engine.block_manager.num_free
+    stream = tiny.stream("abc", SamplingParams(max_tokens=200, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert tiny.engine.block_manager.num_free == free
+
+
+def test_preemption_under_a_small_kv_cache_keeps_outputs():
+    llm = LLM("tiny", kv_cache_tokens=96, block_size=8)  # 12 blocks: the 5 requests cannot all fit
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    batched = llm.generate(PROMPTS, params)
+    assert [c.token_ids for c in batched] == [c.token_ids for c in solo(llm, PROMPTS, params)]
+    assert llm.engine.block_manager.num_free == 12
+
+
+def test_a_sequence_that_cannot_fit_fails_clearly():
+    llm = LLM("tiny", kv_cache_tokens=32, block_size=8)
+    ok, too_long = llm.generate(["short", "x" * 100], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 5
+    assert too_long.finish_reason == "error" and "does not fit in the KV cache" in too_long.error
+
+
+def test_bad_input_is_a_value_error(tiny):
+    with pytest.raises(ValueError, match="empty"):
+        tiny.generate([""])
+    with pytest.raises(ValueError, match="top_p"):
+        tiny.generate(["x"], SamplingParams(top_p=0))
+    with pytest.raises(ValueError, match="token ids"):
+        tiny.engine.add_request([1, 10**6])
+
+
+def test_step_hook_masks_and_runs_during_the_forward_pass(tiny):
+    """The hook's mask constrains sampling, and the hook runs while the model computes."""
+    allowed = [ord(c) + 3 for c in "xyz"]  # byte-level ids: 3 specials, then bytes
+    words = np.zeros((tiny.model.cfg.vocab_size + 31) // 32, np.uint32)
+    for t in allowed:
+        words[t >> 5] |= np.uint32(1 << (t & 31))
+    overlapped, started = [], threading.Event()
+    run = tiny.engine.runner.run
+
+    def watching_run(batch):
+        # If hooks ran after the forward pass, this wait would time out.
+        overlapped.append(started.wait(timeout=5))
+        started.clear()
+        return run(batch)
+
+    def hook(seq):
+        assert threading.current_thread().name.startswith("rudder-hook")
+        started.set()
+        return words
+
+    tiny.engine.runner.run = watching_run
+    try:
+        [out] = tiny.generate(["hi"], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+                              step_hooks=[hook])
+    finally:
+        tiny.engine.runner.run = run
+    assert set(out.text) <= set("xyz") and len(out.token_ids) == 12
+    assert overlapped == [True] * 12

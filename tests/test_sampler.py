@@ -1,0 +1,114 @@
+"""The batched sampler: masks, seeds, truncation, logprobs."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rudder.engine.sampler import Sampler
+from rudder.engine.sequence import SamplingParams
+
+V = 1000  # not a multiple of 32: the last mask word is partial
+
+
+def mask_from_allowed(allowed: np.ndarray, vocab=V) -> np.ndarray:
+    """Reference packing: token i is bit i&31 of word i>>5."""
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    for t in np.flatnonzero(allowed):
+        words[t >> 5] |= np.uint32(1 << (t & 31))
+    return words
+
+
+def rngs(seeds):
+    return [np.random.default_rng(s) for s in seeds]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), density=st.floats(0.001, 0.5), temperature=st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+def test_masked_tokens_are_never_sampled(seed, density, temperature):
+    gen = np.random.default_rng(seed)
+    rows = 6
+    allowed = gen.random((rows, V)) < density
+    allowed[:, gen.integers(V)] = True  # at least one allowed token per row
+    masks = [mask_from_allowed(a) for a in allowed]
+    masks[2] = None  # an unconstrained row in the same batch
+    logits = torch.from_numpy(gen.normal(0, 4, (rows, V)).astype(np.float32))
+    params = [SamplingParams(temperature=temperature)] * rows
+    out = Sampler(V).sample(logits.clone(), params, rngs(range(rows)), masks)
+    for i, tok in enumerate(out.tokens):
+        assert 0 <= tok < V
+        if masks[i] is not None:
+            assert allowed[i, tok], f"row {i} sampled masked token {tok}"
+    if temperature == 0:
+        best = torch.where(torch.from_numpy(allowed[0]), logits[0], float("-inf")).argmax().item()
+        assert out.tokens[0] == best
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    gen = np.random.default_rng(0)
+    logits = torch.from_numpy(gen.normal(0, 1, (4, V)).astype(np.float32))
+    p = SamplingParams(temperature=1.0, top_p=0.95, top_k=200)
+    sampler = Sampler(V)
+
+    def draw(rows, seeds, steps=20):
+        rs = rngs(seeds)
+        return [sampler.sample(logits[rows].clone(), [p] * len(rows), rs).tokens for _ in range(steps)]
+
+    solo = draw([1], [42])
+    together = draw([0, 1, 2], [7, 42, 9])
+    assert [t[0] for t in solo] == [t[1] for t in together]
+    assert draw([1], [42]) == solo
+    assert draw([1], [43]) != solo
+
+
+def test_top_k_and_top_p_truncate():
+    logits = torch.linspace(0, 10, V).repeat(3, 1)  # token V-1 most likely
+    sampler = Sampler(V)
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    for seed in range(200):
+        out = sampler.sample(logits.clone(), [SamplingParams(temperature=1.0, top_k=5),
+                                              SamplingParams(temperature=1.0, top_p=0.5),
+                                              SamplingParams(temperature=1.0, top_k=1)], rngs([seed] * 3))
+        assert out.tokens[0] >= V - 5
+        assert out.tokens[1] in nucleus
+        assert out.tokens[2] == V - 1
+
+
+def test_sampling_follows_the_distribution():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(torch.tensor(probs, dtype=torch.float32)).unsqueeze(0)
+    sampler = Sampler(4)
+    rng = rngs([123])
+    counts = np.bincount([sampler.sample(logits.clone(), [SamplingParams(temperature=1.0)], rng).tokens[0]
+                          for _ in range(4000)], minlength=4)
+    chi2 = (((counts - 4000 * probs) ** 2) / (4000 * probs)).sum()
+    assert chi2 < 16.3, f"chi-square {chi2:.1f} (p < 0.001 at 3 dof)"
+
+
+def test_logprobs_and_top_n():
+    gen = np.random.default_rng(3)
+    logits = torch.from_numpy(gen.normal(0, 2, (2, V)).astype(np.float32))
+    allowed = np.zeros(V, bool)
+    allowed[[3, 500, 999]] = True
+    out = Sampler(V).sample(logits.clone(), [SamplingParams(temperature=0, logprobs=3)] * 2, rngs([0, 1]),
+                            [None, mask_from_allowed(allowed)])
+    ref = torch.log_softmax(logits[0], -1)
+    assert out.logprobs[0]["logprob"] == pytest.approx(ref.max().item(), abs=1e-5)
+    assert [t for t, _ in out.logprobs[0]["top"]] == ref.topk(3).indices.tolist()
+    # Under a mask, logprobs are of the constrained distribution: the 3 allowed tokens sum to 1.
+    top = out.logprobs[1]["top"]
+    assert {t for t, _ in top} == {3, 500, 999}
+    assert sum(np.exp(lp) for _, lp in top) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_empty_mask_and_bad_mask():
+    sampler = Sampler(V)
+    logits = torch.zeros(1, V)
+    out = sampler.sample(logits.clone(), [SamplingParams(temperature=1.0)], rngs([0]),
+                         [np.zeros((V + 31) // 32, np.uint32)])
+    assert out.tokens == [-1]
+    with pytest.raises(ValueError, match="32 uint32 words"):
+        sampler.sample(logits.clone(), [SamplingParams()], rngs([0]), [np.zeros(5, np.uint32)])
