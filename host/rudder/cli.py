@@ -37,6 +37,7 @@ def generate(
 ) -> None:
     """Generate text for PROMPT, streamed to standard output."""
     from .engine import SamplingParams
+    from .errors import ModelFetchError
     from .llm import LLM
 
     if prompt == "-":
@@ -54,7 +55,9 @@ def generate(
         sys.stdout.write("\n")
         if final is not None and final.finish_reason == "error":
             _fail(final.error or "generation failed")
-    except (ValueError, OSError) as e:
+    except KeyboardInterrupt:
+        raise typer.Exit(code=130)
+    except (ValueError, OSError, ModelFetchError) as e:
         _fail(str(e))
 
 
