@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rudder import LLM, SamplingParams
+from rudder.branch import Branch
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -140,8 +141,8 @@ def test_bad_input_is_a_value_error(tiny):
         tiny.engine.add_request([1, 10**6])
 
 
-def test_step_hook_masks_and_runs_during_the_forward_pass(tiny):
-    """The hook's mask constrains sampling, and the hook runs while the model computes."""
+def test_controller_masks_and_runs_during_the_forward_pass(tiny):
+    """The controller's mask constrains sampling, and mid_process runs while the model computes."""
     allowed = [ord(c) + 3 for c in "xyz"]  # byte-level ids: 3 specials, then bytes
     words = np.zeros((tiny.model.cfg.vocab_size + 31) // 32, np.uint32)
     for t in allowed:
@@ -150,20 +151,27 @@ def test_step_hook_masks_and_runs_during_the_forward_pass(tiny):
     run = tiny.engine.runner.run
 
     def watching_run(batch):
-        # If hooks ran after the forward pass, this wait would time out.
+        # If controllers ran after the forward pass, this wait would time out.
         overlapped.append(started.wait(timeout=5))
         started.clear()
         return run(batch)
 
-    def hook(seq):
-        assert threading.current_thread().name.startswith("rudder-hook")
-        started.set()
-        return words
+    class XYZ:
+        def mid_process(self, branch_idx, backtrack, tokens):
+            assert threading.current_thread().name.startswith("rudder-controller")
+            started.set()
+            return [Branch(mask=words)]
+
+        def fork(self):
+            raise AssertionError("no forks here")
+
+        def close(self):
+            pass
 
     tiny.engine.runner.run = watching_run
     try:
         [out] = tiny.generate(["hi"], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
-                              step_hooks=[hook])
+                              controllers=[XYZ()])
     finally:
         tiny.engine.runner.run = run
     assert set(out.text) <= set("xyz") and len(out.token_ids) == 12

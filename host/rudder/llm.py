@@ -14,7 +14,7 @@ import torch
 
 from .config import TINY_CONFIG
 from .engine import Completion, Delta, Engine, SamplingParams
-from .engine.llm_engine import StepHook
+from .engine.llm_engine import Controller
 from .model import build_model
 from .tokenizer import Tokenizer
 
@@ -35,25 +35,30 @@ class LLM:
         self.model, self.tokenizer = load_model(model, device)
         self.engine = Engine(self.model, self.tokenizer, **engine_options)
 
-    def prompt_text(self, prompt: str | list[dict], chat: bool) -> str:
-        """A chat prompt (a message list, or one user message) is rendered with the model's template."""
-        if isinstance(prompt, list):
+    def prompt_text(self, prompt: str | list[dict] | list[int], chat: bool) -> str | list[int]:
+        """A chat prompt (a message list, or one user message) is rendered with the model's
+        template; a list of token ids passes through."""
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return self.tokenizer.apply_chat_template(prompt)
+        if isinstance(prompt, list):
+            return prompt
         if chat:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         return prompt
 
     def generate(self, prompts: str | list[str] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, chat: bool = False, step_hooks: Iterable[StepHook | None] | None = None) -> list[Completion]:
-        """Run all prompts concurrently (continuous batching); one Completion per prompt, in order."""
+                 *, chat: bool = False, controllers: Iterable[Controller | None] | None = None) -> list[Completion]:
+        """Run all prompts concurrently (continuous batching); one Completion per prompt, in order.
+
+        A request that forked has all its sequences in `completion.branches` (itself first)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        hooks = list(step_hooks) if step_hooks is not None else [None] * len(prompts)
-        if not len(params_list) == len(hooks) == len(prompts):
-            raise ValueError("prompts, params and step_hooks must have the same length")
-        requests = [self.engine.add_request(self.prompt_text(p, chat), sp, h)
-                    for p, sp, h in zip(prompts, params_list, hooks)]
+        ctls = list(controllers) if controllers is not None else [None] * len(prompts)
+        if not len(params_list) == len(ctls) == len(prompts):
+            raise ValueError("prompts, params and controllers must have the same length")
+        requests = [self.engine.add_request(self.prompt_text(p, chat), sp, c)
+                    for p, sp, c in zip(prompts, params_list, ctls)]
         try:
             while not all(r.finished for r in requests):
                 self.engine.step()
@@ -63,14 +68,17 @@ class LLM:
             raise
         results = []
         for r in requests:
-            results.extend(self.engine.completions(r))
+            branches = self.engine.completions(r)
+            branches[0].branches = branches
+            results.append(branches[0])
             self.engine.release(r)
         return results
 
     def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, *, chat: bool = False,
-               step_hook: StepHook | None = None) -> Iterator[Delta]:
-        """Yield text deltas as they are decoded. Closing the iterator cancels the request."""
-        req = self.engine.add_request(self.prompt_text(prompt, chat), params, step_hook)
+               controller: Controller | None = None) -> Iterator[Delta]:
+        """Yield text deltas as they are decoded (`delta.branch` tells forks apart). Closing the
+        iterator cancels the request."""
+        req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller)
         try:
             while not req.finished:
                 for delta in self.engine.step():

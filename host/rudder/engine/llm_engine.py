@@ -2,11 +2,13 @@
 
 Per step:
   1. the scheduler picks the batch (and the KV slots for its tokens);
-  2. each sequence that samples this step has its *step hook* started in a thread pool, so it
-     runs while the model computes the logits (this is where controllers plug in);
+  2. each sequence that samples this step and has a controller gets its `mid_process` call
+     started in a thread pool, so it runs while the model computes the logits;
   3. one forward pass over the ragged batch;
-  4. the sampler waits only for the hooks' masks, then samples every row at once;
-  5. each sequence appends its token, checks stop conditions, and emits a text delta.
+  4. the controllers' Branch records are applied (`_apply_branch`: backtrack, fork,
+     fast-forward), and every row that samples is sampled at once under its mask;
+  5. each sequence appends its tokens, checks stop conditions, and emits a text delta.
+The Branch semantics (stale logits after a backtrack, forks, ff lists) are those of docs/abi.md.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import torch
 
+from ..branch import Branch
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import Sampler
@@ -27,14 +31,27 @@ from .sequence import SamplingParams, Sequence, SeqStatus
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
-# Called once per sampling step per sequence, concurrently with the forward pass; returns the
-# allowed-token bitmask (uint32 words) for that step, or None for no constraint.
-StepHook = Callable[[Sequence], "np.ndarray | None"]
+
+class Controller(Protocol):
+    """What the engine needs of a controller (the Wasm one, or a Python one in tests)."""
+
+    def mid_process(self, branch_idx: int, backtrack: int, tokens: list[int]) -> list[Branch]: ...
+
+    def fork(self) -> "Controller": ...
+
+    def close(self) -> None: ...
+
+
+class InvalidBranch(ValueError):
+    """A Branch the sequence cannot take (too long a backtrack, an empty fast-forward...)."""
 
 
 @dataclass
 class Delta:
-    """What one step added to one sequence of a request."""
+    """What one step changed in one sequence of a request.
+
+    Apply `backtrack_chars` first (delete that many characters from the end of the text shown so
+    far), then append `text`."""
 
     request_id: int
     branch: int
@@ -44,6 +61,8 @@ class Delta:
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     logprobs: list[dict] = field(default_factory=list)
     error: str | None = None  # what went wrong, when finish_reason is "error"
+    backtrack_chars: int = 0
+    backtrack_tokens: int = 0
 
 
 @dataclass
@@ -58,15 +77,17 @@ class Completion:
     prompt_tokens: int
     logprobs: list[dict] | None = None
     error: str | None = None
+    branches: list["Completion"] = field(default_factory=list, repr=False)  # all forks (LLM.generate)
 
 
 class _Output:
-    """Text bookkeeping for one sequence: detokenization and stop strings.
+    """Text bookkeeping for one sequence: detokenization, stop strings, backtracking.
 
     Text that could still turn out to begin a stop string is held back from the stream until it
     is decided, so a client never sees text that is later cut."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(self, tokenizer: "Tokenizer", stop: list[str]):
+        self.tokenizer = tokenizer
         self.decoder = tokenizer.stream_decoder()
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -84,9 +105,23 @@ class _Output:
                 return self._take(len(self.text)), True
         return self._take(len(self.text) - self.hold), False
 
+    def pop(self, n_tokens: int) -> int:
+        """Forget the last output tokens; returns how many streamed characters to delete."""
+        removed = self.decoder.pop(min(n_tokens, len(self.decoder)))
+        self.text = self.text[: len(self.text) - removed]
+        unsent = max(0, self.emitted - len(self.text))
+        self.emitted -= unsent
+        return unsent
+
     def finish(self) -> str:
         self.text += self.decoder.flush()
         return self._take(len(self.text))
+
+    def fork(self, output_ids: list[int]) -> "_Output":
+        """A copy for a forked sequence; its first delta carries the whole text so far."""
+        twin = _Output(self.tokenizer, self.stop)
+        twin.text = twin.decoder.push(output_ids)
+        return twin
 
     def _take(self, upto: int) -> str:
         if upto <= self.emitted:
@@ -96,23 +131,44 @@ class _Output:
 
 
 class Request:
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, step_hook: StepHook | None):
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.step_hook = step_hook
         self.seqs: list[Sequence] = []
         self.outputs: dict[int, _Output] = {}  # by seq_id
         self.cancelled = False
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
+    @property
+    def live(self) -> int:
+        return sum(not s.finished for s in self.seqs)
+
+
+@dataclass
+class _Sample:
+    """A row to sample this step: which sequence, which logits row, and its Branch (if any)."""
+
+    seq: Sequence
+    row: int
+    branch: Branch | None
+
+
+def _outcome(call):
+    """A finished call's result, or the exception it raised."""
+    try:
+        return call.result()
+    except Exception as e:
+        return e
+
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer, *, kv_cache_tokens: int = 16384, block_size: int = 16,
-                 max_batch_tokens: int = 512, max_seqs: int = 64, hook_threads: int = 2):
+    def __init__(self, model, tokenizer: "Tokenizer", *, kv_cache_tokens: int = 16384, block_size: int = 16,
+                 max_batch_tokens: int = 512, max_seqs: int = 64, max_forks: int = 16, controller_threads: int = 2):
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = model.cfg
@@ -121,14 +177,15 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_seqs)
         self.sampler = Sampler(model.cfg.vocab_size)
-        self.hook_pool = ThreadPoolExecutor(max_workers=hook_threads, thread_name_prefix="rudder-hook")
+        self.max_forks = max_forks
+        self.pool = ThreadPoolExecutor(max_workers=controller_threads, thread_name_prefix="rudder-controller")
         self.requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    step_hook: StepHook | None = None) -> Request:
+                    controller: Controller | None = None) -> Request:
         params = (params or SamplingParams()).validate()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
@@ -137,9 +194,9 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         if len(prompt_ids) >= self.cfg.max_position:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.cfg.max_position}")
-        req = Request(next(self._request_ids), prompt_ids, params, step_hook)
-        rng = np.random.default_rng(params.seed)
-        seq = Sequence(prompt_ids, params, rng, req.request_id)
+        req = Request(next(self._request_ids), prompt_ids, params)
+        seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req.request_id)
+        seq.controller = controller
         req.seqs.append(seq)
         req.outputs[seq.seq_id] = _Output(self.tokenizer, params.stop)
         self.requests[req.request_id] = req
@@ -147,7 +204,7 @@ class Engine:
         return req
 
     def cancel(self, request_id: int) -> None:
-        """Stop a request now; its KV blocks return to the pool at once."""
+        """Stop a request now; its KV blocks and controllers are released at once."""
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -171,39 +228,136 @@ class Engine:
             return deltas
         self.runner.copy_blocks(self.block_manager.take_copies())
 
-        sampling = [e.seq for e in batch if e.sample]
-        hooks = {}
-        for seq in sampling:
-            hook = self.requests[seq.request_id].step_hook
-            if hook is not None:
-                hooks[seq.seq_id] = self.hook_pool.submit(hook, seq)
-
-        logits = self.runner.run(batch)
+        ready = [e.seq for e in batch if e.sample]
+        calls = {seq.seq_id: self._start_controller(seq) for seq in ready
+                 if seq.controller is not None and seq.deferred is None}
+        logits = self.runner.run(batch)  # the controllers run meanwhile
         for entry in batch:
             entry.seq.num_cached += entry.num_tokens
-        if not sampling:
-            return deltas
+        answers = {seq_id: _outcome(call) for seq_id, call in calls.items()}  # all done before any is closed
 
-        masks = []
-        for seq in sampling:
-            future = hooks.get(seq.seq_id)
-            masks.append(None if future is None else future.result())
-        out = self.sampler.sample(logits, [s.params for s in sampling], [s.rng for s in sampling], masks)
-        for seq, token, logprob in zip(sampling, out.tokens, out.logprobs):
-            deltas.append(self._accept(seq, token, logprob))
+        samples: list[_Sample] = []
+        for row, seq in enumerate(ready):
+            if seq.finished:  # its request failed earlier in this loop
+                continue
+            if seq.controller is None:
+                samples.append(_Sample(seq, row, None))
+            elif seq.deferred is not None:
+                branch, seq.deferred = seq.deferred, None
+                samples.append(_Sample(seq, row, branch))
+            else:
+                samples.extend(self._take_branches(seq, row, answers[seq.seq_id], deltas))
+        if samples:
+            deltas.extend(self._sample(logits, samples))
         return deltas
 
-    def _accept(self, seq: Sequence, token: int, logprob: dict | None) -> Delta:
+    def _start_controller(self, seq: Sequence):
+        tokens, seq.ctl_append = seq.ctl_append, []
+        backtrack, seq.ctl_backtrack = seq.ctl_backtrack, 0
+        return self.pool.submit(seq.controller.mid_process, seq.ctl_branch, backtrack, tokens)
+
+    def _take_branches(self, seq: Sequence, row: int, answer, deltas: list[Delta]) -> list[_Sample]:
+        """Apply a controller's answer; returns the rows that sample now."""
+        req = self.requests[seq.request_id]
+        try:
+            if isinstance(answer, BaseException):
+                raise answer
+            branches = answer
+            if not branches:
+                deltas.append(self._finish_delta(seq, "stop"))
+                return []
+            if req.live + len(branches) - 1 > self.max_forks:
+                raise InvalidBranch(f"{len(branches)} branches would exceed {self.max_forks} live sequences")
+            forks = [seq] + [self._fork(seq, req) for _ in branches[1:]]
+            samples = []
+            for k, (s, branch) in enumerate(zip(forks, branches)):
+                s.ctl_branch = k if len(branches) > 1 else 0
+                if self._apply_branch(s, branch, deltas):
+                    samples.append(_Sample(s, row, branch))
+            return samples
+        except Exception as e:  # a controller's failure ends its own request, nothing else
+            self._fail_request(req, f"controller: {e}", deltas)
+            return []
+
+    def _fork(self, parent: Sequence, req: Request) -> Sequence:
+        child = Sequence(parent.token_ids, parent.params, parent.rng.spawn(1)[0], req.request_id, branch=len(req.seqs))
+        child.num_prompt, child.num_cached = parent.num_prompt, parent.num_cached
+        child.controller = parent.controller.fork()
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        req.seqs.append(child)
+        req.outputs[child.seq_id] = req.outputs[parent.seq_id].fork(child.output_ids)
+        self.scheduler.add_running(child)
+        return child
+
+    def _apply_branch(self, seq: Sequence, branch: Branch, deltas: list[Delta]) -> bool:
+        """Backtrack and fast-forward; True when the sequence samples from this step's logits."""
+        n = branch.backtrack
+        if branch.mask is None and len(branch.ff) > 1:
+            raise InvalidBranch("several fast-forward lists need a mask")
+        if branch.mask is not None and any(not ff for ff in branch.ff):
+            raise InvalidBranch("fast-forward lists under a mask must not be empty")
+        appends = [] if branch.samples else branch.ff[0]
+        if not 0 <= n <= len(seq) or (n == len(seq) and not appends):
+            raise InvalidBranch(f"cannot backtrack {n} of {len(seq)} tokens and keep a non-empty sequence")
+        if not branch.samples and not appends and n == 0:
+            raise InvalidBranch("a branch must sample, fast-forward or backtrack")
+        if n:
+            self._backtrack(seq, n, deltas)
+            if not appends:
+                # Stale logits: drop one more position and re-feed it, then sample (docs/abi.md).
+                self.block_manager.pop(seq.seq_id, 1)
+                seq.num_cached -= 1
+                seq.deferred = branch if branch.samples else None
+                return False
+        if appends:
+            deltas.append(self._append(seq, list(appends)))
+            return False
+        return True
+
+    def _backtrack(self, seq: Sequence, n: int, deltas: list[Delta]) -> None:
+        del seq.token_ids[len(seq.token_ids) - n:]
+        self.block_manager.pop(seq.seq_id, n)
+        seq.num_cached -= n
+        seq.num_prompt = min(seq.num_prompt, len(seq.token_ids))
+        unreported = min(n, len(seq.ctl_append))  # appended since the last call: just forget them
+        del seq.ctl_append[len(seq.ctl_append) - unreported:]
+        seq.ctl_backtrack += n - unreported
+        del seq.logprobs[max(0, len(seq.logprobs) - n):]
+        chars = self.requests[seq.request_id].outputs[seq.seq_id].pop(n)
+        deltas.append(Delta(seq.request_id, seq.branch, "", [], backtrack_chars=chars, backtrack_tokens=n))
+
+    def _sample(self, logits, samples: list[_Sample]) -> list[Delta]:
+        rows = [s.row for s in samples]
+        if rows != list(range(logits.shape[0])):  # forks share a row; some rows do not sample
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        masks = [s.branch.mask if s.branch is not None else None for s in samples]
+        out = self.sampler.sample(logits, [s.seq.params for s in samples], [s.seq.rng for s in samples], masks)
+        deltas = []
+        for s, token, logprob in zip(samples, out.tokens, out.logprobs):
+            seq = s.seq
+            if token < 0:
+                deltas.append(self._finish_delta(seq, "error", "the sample mask allowed no token"))
+                continue
+            if token in self.tokenizer.stop_token_ids and not seq.params.ignore_eos:
+                deltas.append(self._finish_delta(seq, "stop"))
+                continue
+            tokens = [token]
+            if s.branch is not None:
+                tokens = next((ff for ff in s.branch.ff if ff[0] == token), tokens)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            deltas.append(self._append(seq, list(tokens), [logprob] if logprob else []))
+        return deltas
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None = None) -> Delta:
+        """Append tokens (sampled and/or fast-forwarded), stream their text, check the stops."""
         params, output = seq.params, self.requests[seq.request_id].outputs[seq.seq_id]
-        if token < 0:
-            return self._finish_delta(seq, "error", "the sample mask allowed no token")
-        if token in self.tokenizer.stop_token_ids and not params.ignore_eos:
-            return self._finish_delta(seq, "stop")
-        seq.token_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        text, hit_stop = output.add([token])
-        delta = Delta(seq.request_id, seq.branch, text, [token], logprobs=[logprob] if logprob else [])
+        room = params.max_tokens - seq.num_output
+        tokens = tokens[: max(room, 0)]
+        seq.token_ids.extend(tokens)
+        seq.ctl_append.extend(tokens)
+        text, hit_stop = output.add(tokens)
+        delta = Delta(seq.request_id, seq.branch, text, tokens, logprobs=logprobs or [])
         reason = None
         if hit_stop:
             reason = "stop"
@@ -219,12 +373,21 @@ class Engine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+        seq.deferred = None
         self.scheduler.remove(seq)
+        if seq.controller is not None:
+            seq.controller.close()
 
     def _finish_delta(self, seq: Sequence, reason: str, error: str | None = None) -> Delta:
         self._finish(seq, reason, error)
         text = self.requests[seq.request_id].outputs[seq.seq_id].finish()
         return Delta(seq.request_id, seq.branch, text, [], True, reason, error=error)
+
+    def _fail_request(self, req: Request, message: str, deltas: list[Delta]) -> None:
+        req.error = message
+        for s in req.seqs:
+            if not s.finished:
+                deltas.append(self._finish_delta(s, "error", message))
 
     # -- results -------------------------------------------------------------------------------
 

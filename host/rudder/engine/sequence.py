@@ -69,7 +69,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict] = []
-        self.sample_mask: np.ndarray | None = None  # uint32 words for the next sample, or None
+        # Controller state (see docs/abi.md): what the next mid_process call reports, and a
+        # Branch whose sampling waits for fresh logits after a backtrack.
+        self.controller = None
+        self.ctl_branch = 0
+        self.ctl_backtrack = 0
+        self.ctl_append: list[int] = list(prompt_ids)
+        self.deferred = None  # rudder.branch.Branch | None
 
     def __len__(self) -> int:
         return len(self.token_ids)
