@@ -282,6 +282,7 @@ class Engine:
     def _fork(self, parent: Sequence, req: Request) -> Sequence:
         child = Sequence(parent.token_ids, parent.params, parent.rng.spawn(1)[0], req.request_id, branch=len(req.seqs))
         child.num_prompt, child.num_cached = parent.num_prompt, parent.num_cached
+        child.ctl_append, child.ctl_backtrack = list(parent.ctl_append), parent.ctl_backtrack
         child.controller = parent.controller.fork()
         self.block_manager.fork(parent.seq_id, child.seq_id)
         req.seqs.append(child)
