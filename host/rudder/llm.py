@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -31,9 +32,46 @@ def load_model(spec: str = "smollm2", device: str | torch.device = "cpu"):
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", **engine_options):
+    def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", controller_limits=None,
+                 **engine_options):
         self.model, self.tokenizer = load_model(model, device)
         self.engine = Engine(self.model, self.tokenizer, **engine_options)
+        self._controller_limits = controller_limits
+        self._runtime = None
+
+    @property
+    def runtime(self):
+        """The Wasm controller runtime (created on first use)."""
+        if self._runtime is None:
+            from .controller import ControllerRuntime, Limits
+
+            self._runtime = ControllerRuntime(self.tokenizer, self._controller_limits or Limits())
+        return self._runtime
+
+    def start_controller(self, controller: "str | Path | bytes", arg: str | bytes = "", limits=None) -> Controller:
+        """A controller for one request: a built-in name (`rudder controllers`), a .wasm path, or
+        wasm bytes; `arg` is its argument. Raises ControllerError/ValueError on bad input."""
+        from .controller.build import builtin_controller
+
+        if isinstance(controller, (bytes, bytearray)):
+            wasm = bytes(controller)
+        elif str(controller).endswith(".wasm") or Path(controller).is_file():
+            path = Path(controller)
+            if not path.is_file():
+                raise ValueError(f"no such controller file: {path}")
+            wasm = path.read_bytes()
+        else:
+            wasm = builtin_controller(str(controller)).read_bytes()
+        return self.runtime.start(self.runtime.load(wasm), arg, limits)
+
+    def _controllers_for(self, n: int, controller, controller_arg, controllers) -> list:
+        if controllers is not None:
+            if controller is not None:
+                raise ValueError("pass either controller or controllers, not both")
+            return list(controllers)
+        if controller is None:
+            return [None] * n
+        return [self.start_controller(controller, controller_arg) for _ in range(n)]
 
     def prompt_text(self, prompt: str | list[dict] | list[int], chat: bool) -> str | list[int]:
         """A chat prompt (a message list, or one user message) is rendered with the model's
@@ -47,14 +85,17 @@ class LLM:
         return prompt
 
     def generate(self, prompts: str | list[str] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, chat: bool = False, controllers: Iterable[Controller | None] | None = None) -> list[Completion]:
+                 *, chat: bool = False, controller=None, controller_arg: str | bytes = "",
+                 controllers: Iterable[Controller | None] | None = None) -> list[Completion]:
         """Run all prompts concurrently (continuous batching); one Completion per prompt, in order.
 
+        `controller` (a built-in name, .wasm path or bytes) with `controller_arg` steers every
+        prompt, each with its own instance; `controllers` gives one ready controller per prompt.
         A request that forked has all its sequences in `completion.branches` (itself first)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ctls = list(controllers) if controllers is not None else [None] * len(prompts)
+        ctls = self._controllers_for(len(prompts), controller, controller_arg, controllers)
         if not len(params_list) == len(ctls) == len(prompts):
             raise ValueError("prompts, params and controllers must have the same length")
         requests = [self.engine.add_request(self.prompt_text(p, chat), sp, c)
@@ -75,9 +116,12 @@ class LLM:
         return results
 
     def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, *, chat: bool = False,
-               controller: Controller | None = None) -> Iterator[Delta]:
+               controller=None, controller_arg: str | bytes = "") -> Iterator[Delta]:
         """Yield text deltas as they are decoded (`delta.branch` tells forks apart). Closing the
-        iterator cancels the request."""
+        iterator cancels the request. `controller`: a ready controller, a built-in name, a .wasm
+        path or wasm bytes (with `controller_arg`)."""
+        if controller is not None and not hasattr(controller, "mid_process"):
+            controller = self.start_controller(controller, controller_arg)
         req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller)
         try:
             while not req.finished:

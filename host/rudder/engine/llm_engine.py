@@ -186,14 +186,22 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     controller: Controller | None = None) -> Request:
-        params = (params or SamplingParams()).validate()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if max(prompt_ids) >= self.cfg.vocab_size or min(prompt_ids) < 0:
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        if len(prompt_ids) >= self.cfg.max_position:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.cfg.max_position}")
+        """Queue a request. The engine owns `controller` from here on (it is closed even if the
+        request is refused)."""
+        try:
+            params = (params or SamplingParams()).validate()
+            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not prompt_ids:
+                raise ValueError("the prompt is empty")
+            if max(prompt_ids) >= self.cfg.vocab_size or min(prompt_ids) < 0:
+                raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+            if len(prompt_ids) >= self.cfg.max_position:
+                raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                                 f"{self.cfg.max_position}")
+        except BaseException:
+            if controller is not None:
+                controller.close()
+            raise
         req = Request(next(self._request_ids), prompt_ids, params)
         seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req.request_id)
         seq.controller = controller

@@ -1,8 +1,8 @@
 """Batched sampling over `[rows, vocab]` logits, under optional per-row allowed-token bitmasks.
 
 A mask is uint32 words: token i is allowed when bit (i & 31) of word (i >> 5) is set. It is
-expanded to one byte per token with a 256-entry lookup table into a buffer kept across steps
-(`np.take(..., out=)`), then applied with one in-place `masked_fill_`: no Python loop over the
+expanded byte by byte through a 256-entry table into a penalty row (0 or -inf per token) kept
+across steps (`np.take(..., out=)`), then added to the logits in place: no Python loop over the
 vocabulary and no vocab-sized allocation per step.
 
 Randomness: every sequence owns a `numpy.random.Generator`; a sampled token consumes exactly
@@ -22,8 +22,34 @@ from .sequence import SamplingParams
 
 assert sys.byteorder == "little", "mask words are read as little-endian bytes"
 
-# _FORBIDDEN_BITS[b, j] is True when bit j of byte b is clear (token not allowed).
-_FORBIDDEN_BITS = ((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1) == 0
+# _PENALTY[b, j] is 0.0 when bit j of byte b is set (token allowed), else -inf. Adding the
+# expanded penalty is branch-free: masked_fill_ with a random-looking mask runs ~6x slower here
+# (branch mispredictions), whatever the mask's density.
+_PENALTY = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1, 0.0, -np.inf).astype(np.float32)
+
+
+def _argmax(rows: torch.Tensor) -> torch.Tensor:
+    # torch's CPU argmax over one long row is ~15x slower than numpy's here (95 vs 6 us at V=49152).
+    if rows.device.type == "cpu":
+        return torch.from_numpy(rows.numpy().argmax(axis=-1))
+    return rows.argmax(dim=-1)
+
+
+def _keep_nucleus(row: torch.Tensor, top_p: float) -> None:
+    """Set to -inf every token outside the smallest most-likely set whose mass reaches top_p.
+
+    A full sort of the vocabulary costs ~4 ms here; LM distributions are peaked, so the nucleus
+    almost always lies in the top 64 tokens: look there first and widen only when it does not."""
+    probs = row.softmax(-1)
+    size = row.shape[0]
+    for k in (64, 1024, size):
+        values, _ = probs.topk(min(k, size))
+        mass = values.cumsum(0)
+        if mass[-1] >= top_p or k >= size:
+            break
+    # Keep a token while the mass before it is below top_p (the first always stays).
+    kept = int(((mass - values) < top_p).sum())
+    row.masked_fill_(probs < values[kept - 1], float("-inf"))
 
 
 @dataclass
@@ -36,31 +62,31 @@ class Sampler:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
-        self._forbidden = np.zeros((0, self.num_words * 32), dtype=bool)
+        self._penalty = np.zeros((0, self.num_words * 32), dtype=np.float32)
 
-    def _forbidden_rows(self, n: int) -> np.ndarray:
-        if self._forbidden.shape[0] < n:  # grows rarely: reused across steps
-            self._forbidden = np.zeros((max(n, 2 * self._forbidden.shape[0]), self.num_words * 32), dtype=bool)
-        return self._forbidden
+    def _penalty_rows(self, n: int) -> np.ndarray:
+        if self._penalty.shape[0] < n:  # grows rarely: reused across steps
+            self._penalty = np.zeros((max(n, 2 * self._penalty.shape[0]), self.num_words * 32), dtype=np.float32)
+        return self._penalty
 
     def apply_masks(self, logits: torch.Tensor, masks: list[np.ndarray | None]) -> None:
         """Set logits of disallowed tokens to -inf, in place."""
         rows = [i for i, m in enumerate(masks) if m is not None]
         if not rows:
             return
-        buf = self._forbidden_rows(len(rows))
+        buf = self._penalty_rows(len(rows))
         for j, i in enumerate(rows):
             words = masks[i]
             if words.dtype != np.uint32 or words.shape != (self.num_words,):
                 raise ValueError(f"sample mask must be {self.num_words} uint32 words, got {words.dtype} {words.shape}")
-            np.take(_FORBIDDEN_BITS, words.view(np.uint8), axis=0, out=buf[j].reshape(-1, 8))
-        forbidden = torch.from_numpy(buf[: len(rows), : logits.shape[1]])
-        if len(rows) == logits.shape[0]:
-            logits.masked_fill_(forbidden.to(logits.device), float("-inf"))
+            np.take(_PENALTY, words.view(np.uint8), axis=0, out=buf[j].reshape(-1, 8), mode="clip")
+        penalty = buf[: len(rows), : logits.shape[1]]
+        if len(rows) == logits.shape[0] and logits.device.type == "cpu" and logits.is_contiguous():
+            np.add(logits.numpy(), penalty, out=logits.numpy())
+        elif len(rows) == logits.shape[0]:
+            logits.add_(torch.from_numpy(penalty).to(logits.device))
         else:
-            index = torch.tensor(rows, device=logits.device)
-            sub = logits.index_select(0, index).masked_fill_(forbidden.to(logits.device), float("-inf"))
-            logits.index_copy_(0, index, sub)
+            logits.index_add_(0, torch.tensor(rows, device=logits.device), torch.from_numpy(penalty).to(logits.device))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[np.random.Generator],
@@ -79,7 +105,7 @@ class Sampler:
         if greedy:
             idx = torch.tensor(greedy, device=logits.device) if len(greedy) < n else None
             rows = logits if idx is None else logits.index_select(0, idx)
-            best = rows.argmax(dim=-1)
+            best = _argmax(rows)
             if idx is None:
                 tokens.copy_(best)
             else:
@@ -89,7 +115,7 @@ class Sampler:
             tokens.index_copy_(0, torch.tensor(sampled, device=logits.device), tokens_s)
 
         # A row whose mask allowed nothing has only -inf logits.
-        dead = torch.isneginf(logits.max(dim=-1).values)
+        dead = torch.isneginf(logits.amax(dim=-1))
         tokens.masked_fill_(dead, -1)
         token_list = tokens.tolist()
         lps: list[dict | None] = [None] * n
@@ -116,11 +142,7 @@ class Sampler:
                 kth = x[j].topk(p.top_k).values[-1]
                 x[j].masked_fill_(x[j] < kth, float("-inf"))
             if p.top_p < 1.0:
-                sorted_x, order = x[j].sort(descending=True)
-                sorted_p = sorted_x.softmax(-1)
-                # Drop a token once the mass before it already reaches top_p (the first always stays).
-                drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-                x[j].index_fill_(0, order[drop], float("-inf"))
+                _keep_nucleus(x[j], p.top_p)
         probs = x.softmax(dim=-1)
         cdf = probs.cumsum_(dim=-1)
         u = torch.tensor([rngs[i].random() for i in rows], dtype=cdf.dtype, device=cdf.device)
