@@ -45,8 +45,10 @@ void controller_step(const rudder_step *step, rudder_out *out) {
     while (rudder_token_bytes(gen[k], &len), tok_start + len <= at)   /* the token holding byte `at` */
         tok_start += len, k++;
     uint32_t pos = step->n_prompt + k, back = step->n_seq - pos;
-    if (pos == 0)
-        return rudder_out_fail(out, "the banned word starts in the first token");
+    if (pos == 0) {
+        rudder_out_fail(out, "the banned word starts in the first token");
+        return;
+    }
     while (n_bans > 0 && bans[n_bans - 1].pos > pos)   /* bans for a prefix that is gone */
         n_bans--;
     bans[n_bans++] = (ban){pos, gen[k]};

@@ -68,8 +68,10 @@ void controller_step(const rudder_step *step, rudder_out *out) {
         const uint8_t *b = rudder_token_bytes(step->seq[i], &len);
         for (uint32_t j = 0; j < len && at != RUDDER_DEAD; j++)
             at = child(at, b[j]);
-        if (at == RUDDER_DEAD)
-            return rudder_out_fail(out, "the output is not a prefix of any choice");
+        if (at == RUDDER_DEAD) {
+            rudder_out_fail(out, "the output is not a prefix of any choice");
+            return;
+        }
     }
     if (nodes[at].count == 1) {   /* one choice left: done, or fast-forward the rest of it */
         if (nodes[at].end)
@@ -81,24 +83,25 @@ void controller_step(const rudder_step *step, rudder_out *out) {
         n_rest = 0;
         for (uint32_t c = nodes[at].child; c; c = nodes[c].child)
             rest[n_rest++] = nodes[c].byte;
-        if ((rest[0] & 0xc0) != 0x80) {   /* tokenize only whole UTF-8 characters */
-            uint32_t *toks = rudder_tokenize(rest, n_rest, &n_toks);
-            n_check = rudder_detokenize(toks, n_toks, check, n_rest);
-            if (n_toks > 0 && n_check == n_rest && memcmp(rest, check, n_rest) == 0)
-                rudder_out_ff(out, toks, n_toks);
-            rudder_free(toks);
-        }
+        /* NULL if the rest is not whole UTF-8 characters: then the mask below leads on */
+        uint32_t *toks = rudder_tokenize(rest, n_rest, &n_toks);
+        n_check = rudder_detokenize(toks, n_toks, check, n_rest);
+        if (n_toks > 0 && n_check == n_rest && memcmp(rest, check, n_rest) == 0)
+            rudder_out_ff(out, toks, n_toks);
+        rudder_free(toks);
         rudder_free(rest);
         if (rudder_out_n_branches(out) > 0)
             return;
     }
     uint32_t *mask = rudder_out_mask(out);
     uint32_t n = rudder_trie_fill_mask(mask, &prefix_of_a_choice, at);
-    if (nodes[at].end) {
+    if (nodes[at].end && rudder_eos_token() != RUDDER_NO_TOKEN) {   /* a choice is complete */
         rudder_mask_set(mask, rudder_eos_token());
         n++;
     }
-    if (n == 0)
-        return rudder_out_fail(out, "no token continues any choice");
+    if (n == 0) {
+        rudder_out_fail(out, "no token continues any choice");
+        return;
+    }
     rudder_out_sample(out, mask);
 }

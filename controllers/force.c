@@ -5,6 +5,10 @@ static uint32_t *tokens, n_tokens;
 
 int controller_start(const char *arg, uint32_t len) {
     tokens = rudder_tokenize(arg, len, &n_tokens);
+    if (!tokens) {
+        rudder_log("force: the text is not valid UTF-8\n");
+        return 1;
+    }
     rudder_logf("force: %u bytes -> %u tokens\n", len, n_tokens);
     return 0;
 }

@@ -15,7 +15,8 @@ static struct {
     const uint32_t *offsets;   /* vocab + 1 entries */
     const uint32_t *nodes;     /* n_nodes x 2 words */
     const uint8_t *bytes;
-    uint32_t *ends, *states;   /* walk stacks, max_depth + 1 entries */
+    uint32_t *ends, *states;   /* walk stacks, max_depth + 2 entries */
+    rudder_trie view;          /* what rudder_trie_get() hands out, once the table is loaded */
 } T;
 
 static char *g_arg;
@@ -211,7 +212,44 @@ int32_t rudder_var_set(const char *key, const void *val, uint32_t len) {
     return rudder_sys_var_set(key, (uint32_t)strlen(key), val, len);
 }
 
+bool rudder_utf8_valid(const void *text, uint32_t len) {
+    const uint8_t *s = text;
+    uint32_t i = 0;
+    while (i < len) {
+        uint8_t c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        uint32_t more;
+        uint8_t lo = 0x80, hi = 0xbf;   /* range of the second byte */
+        if (c >= 0xc2 && c <= 0xdf) {
+            more = 1;
+        } else if (c >= 0xe0 && c <= 0xef) {
+            more = 2;
+            lo = c == 0xe0 ? 0xa0 : 0x80;   /* no overlong forms */
+            hi = c == 0xed ? 0x9f : 0xbf;   /* no surrogates */
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            more = 3;
+            lo = c == 0xf0 ? 0x90 : 0x80;
+            hi = c == 0xf4 ? 0x8f : 0xbf;   /* nothing past U+10FFFF */
+        } else {
+            return false;
+        }
+        if (len - i - 1 < more || s[i + 1] < lo || s[i + 1] > hi)
+            return false;
+        for (uint32_t k = 2; k <= more; k++)
+            if ((s[i + k] & 0xc0) != 0x80)
+                return false;
+        i += more + 1;
+    }
+    return true;
+}
+
 uint32_t *rudder_tokenize(const void *text, uint32_t len, uint32_t *n) {
+    *n = 0;
+    if (!rudder_utf8_valid(text, len))
+        return NULL;
     uint32_t cap = len + 4;
     uint32_t *buf = rudder_xalloc(cap * 4);
     int32_t r = rudder_sys_tokenize(text, len, buf, cap);
@@ -345,41 +383,14 @@ static int load_token_table(void) {
         }
         T.ends[++depth] = i + size;
     }
+    T.view = (rudder_trie){T.nodes, T.n_nodes, T.ends, T.states};
     return 0;
 }
 
-uint32_t rudder_trie_fill_mask(uint32_t *mask, const rudder_recognizer *r, uint32_t state) {
-    if (!T.nodes)
+const rudder_trie *rudder_trie_get(void) {
+    if (!T.view.nodes)
         rudder_panic("rudder_trie_fill_mask: no token table");
-    const uint32_t *nodes = T.nodes;
-    uint32_t *ends = T.ends, *states = T.states;
-    uint32_t (*push)(void *, uint32_t, uint8_t) = r->push;
-    bool (*allow)(void *, uint32_t, uint32_t) = r->allow;
-    void *self = r->self;
-    uint32_t n = T.n_nodes, depth = 0, count = 0, i = 1;
-    ends[0] = n;
-    states[0] = state;
-    while (i < n) {
-        while (i >= ends[depth])
-            depth--;
-        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
-        uint32_t s = push(self, states[depth], (uint8_t)w0);
-        if (s == RUDDER_DEAD) {
-            i += size;
-            continue;
-        }
-        uint32_t tok1 = w0 >> 8;
-        if (tok1 && (!allow || allow(self, s, tok1 - 1))) {
-            mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
-            count++;
-        }
-        if (size > 1) {
-            ends[++depth] = i + size;
-            states[depth] = s;
-        }
-        i++;
-    }
-    return count;
+    return &T.view;
 }
 
 /* ------------------------------------------------------------------ building the answer */
@@ -425,7 +436,7 @@ static void stage(rudder_out *out, uint32_t branch, const uint32_t *tokens, uint
         if (!out->ents)
             rudder_panic("out of memory");
     }
-    if (n > out->cap_data - out->n_data) {
+    if (!out->data || n > out->cap_data - out->n_data) {   /* even an empty list gets a real pointer */
         uint32_t cap = out->cap_data ? out->cap_data : 256;
         while (cap - out->n_data < n)
             cap *= 2;
@@ -540,7 +551,8 @@ RUDDER_EXPORT(rudder_init) int32_t rudder__init(void) {
     }
     g_vocab = (uint32_t)v;
     g_mask_words = (g_vocab + 31) / 32;
-    g_eos = (uint32_t)rudder_sys_eos_token();
+    int32_t eos = rudder_sys_eos_token();
+    g_eos = eos >= 0 && (uint32_t)eos < g_vocab ? (uint32_t)eos : RUDDER_NO_TOKEN;
     if (load_token_table() != 0)
         return -1;
     return controller_init();

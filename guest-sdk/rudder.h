@@ -138,8 +138,10 @@ uint32_t rudder_out_n_branches(const rudder_out *out);
  * Vocabulary, masks, token bytes.
  * ------------------------------------------------------------------------------------------ */
 
+#define RUDDER_NO_TOKEN 0xffffffffu
+
 uint32_t rudder_vocab_size(void);
-uint32_t rudder_eos_token(void);
+uint32_t rudder_eos_token(void);                  /* RUDDER_NO_TOKEN if the tokenizer has none */
 uint32_t rudder_mask_words(void);                 /* (vocab_size + 31) / 32 */
 uint32_t *rudder_mask_new(void);                  /* zeroed, from the heap (rudder_free it) */
 void rudder_mask_clear_all(uint32_t *mask);
@@ -174,16 +176,56 @@ typedef struct rudder_recognizer {
     void *self;
 } rudder_recognizer;
 
-/* Returns the number of tokens allowed by this walk. */
-uint32_t rudder_trie_fill_mask(uint32_t *mask, const rudder_recognizer *r, uint32_t state);
+/* The trie as the walk sees it (SDK internals; read-only). */
+typedef struct rudder_trie {
+    const uint32_t *nodes;     /* n_nodes x {byte | (token + 1) << 8, subtree size} */
+    uint32_t n_nodes;
+    uint32_t *ends, *states;   /* walk stacks, one entry per depth */
+} rudder_trie;
+const rudder_trie *rudder_trie_get(void);
+
+/* Returns the number of tokens allowed by this walk. Inline, so that a recognizer known at
+ * compile time (e.g. a static const rudder_recognizer) is inlined into the loop. */
+static inline uint32_t rudder_trie_fill_mask(uint32_t *mask, const rudder_recognizer *r, uint32_t state) {
+    const rudder_trie *t = rudder_trie_get();
+    const uint32_t *nodes = t->nodes;
+    uint32_t *ends = t->ends, *states = t->states;
+    uint32_t n = t->n_nodes, depth = 0, count = 0, i = 1;
+    ends[0] = n;
+    states[0] = state;
+    while (i < n) {
+        while (i >= ends[depth])
+            depth--;
+        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
+        uint32_t s = r->push(r->self, states[depth], (uint8_t)w0);
+        if (s == RUDDER_DEAD) {
+            i += size;
+            continue;
+        }
+        uint32_t tok1 = w0 >> 8;
+        if (tok1 && (!r->allow || r->allow(r->self, s, tok1 - 1))) {
+            mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+            count++;
+        }
+        if (size > 1) {
+            ends[++depth] = i + size;
+            states[depth] = s;
+        }
+        i++;
+    }
+    return count;
+}
 
 /* ------------------------------------------------------------------------------------------
  * Host services.
  * ------------------------------------------------------------------------------------------ */
 
-/* Tokenize UTF-8 text; returns a rudder_alloc'ed array (free it with rudder_free) of *n ids. */
+/* Tokenize UTF-8 text; returns a rudder_alloc'ed array (free it with rudder_free) of *n ids,
+ * or NULL (*n = 0) if the text is not valid UTF-8 (the host would trap on it). */
 uint32_t *rudder_tokenize(const void *text, uint32_t len, uint32_t *n);
 uint32_t *rudder_tokenize_str(const char *text, uint32_t *n);
+/* Strict UTF-8 (no overlong forms, no surrogates, nothing past U+10FFFF), as the host checks. */
+bool rudder_utf8_valid(const void *text, uint32_t len);
 
 /* The request argument (NUL-terminated; *len may be NULL). */
 const char *rudder_arg(uint32_t *len);

@@ -120,7 +120,6 @@ void wasm_byte_vec_delete(wasm_byte_vec_t *vec);
 EXTERN_FUNC = 0
 EXTERN_GLOBAL = 1
 EXTERN_MEMORY = 3
-VAL_KINDS_NUMERIC = {0, 1, 2, 3}  # i32 i64 f32 f64
 
 ffi = cffi.FFI()
 ffi.cdef(CDEF)

@@ -100,18 +100,14 @@ def _append_bounded(holder, data, limit: int) -> None:
 @dataclass(eq=False)
 class HostState:
     """Per-store state the host functions see. `request` is None while rudder_init runs
-    (there is no request yet); the log then goes to `init_log`."""
+    (there is no request yet); the log then goes to its own `log`."""
 
     runtime: object  # the ControllerRuntime's _Shared: tokenizer, token table, limits
     request: RequestContext | None = None
     memory: object = None  # wasmtime_memory_t of the instance, set after instantiation
     host_error: str | None = None  # why an import trapped the guest
-    init_log: bytearray = field(default_factory=bytearray)
+    log: bytearray = field(default_factory=bytearray)  # rudder_init's log
     log_truncated: bool = False
-
-    @property
-    def log(self) -> bytearray:  # for _append_bounded during init
-        return self.init_log
 
 
 class _GuestFault(Exception):
@@ -131,9 +127,9 @@ def _memory(state: HostState, caller, ctx):
 
 
 def _span(name: str, what: str, ptr: int, length: int, size: int) -> int:
-    """The guest's (ptr, len) as unsigned, checked to lie inside the memory."""
+    """The guest's pointer as unsigned, checked so that [ptr, ptr + length) lies inside the
+    memory (`length` is already a non-negative byte count)."""
     ptr &= 0xFFFFFFFF
-    length &= 0xFFFFFFFF
     if ptr + length > size:
         raise _GuestFault(f"rudder.{name}: {what} [{ptr:#x}, +{length}) lies outside the "
                           f"controller's memory ({size} bytes)")

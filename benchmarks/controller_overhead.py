@@ -1,0 +1,182 @@
+"""Host-side cost of WebAssembly controllers: per-step overhead, request start, module load.
+
+    .venv/bin/python benchmarks/controller_overhead.py [--calls 20000] [--smollm2]
+                                                       [--json benchmarks/results/controller_overhead.json]
+
+Rows:
+- mid_process: a no-op controller that returns a full-vocabulary mask; what is timed is the
+  host's share of a step: write the new token, call into the guest (epoch deadline armed),
+  read and validate the result, build the Branch (applying the mask is the engine's job).
+  `raw call` is the bare unchecked wasm call for reference. At V=49152 (SmolLM2's size) and a
+  synthetic V=128000.
+- start: a request on a cached, initialised module (new Store + instantiate + snapshot
+  restore + rudder_start). `start+table` is a controller whose rudder_init copies the token
+  table in (as real constraint controllers do), so its snapshot holds it; with --smollm2 the
+  table is SmolLM2's (1.3 MB), else the synthetic vocabulary's.
+- fork: copy a live controller (memory + globals) into a new instance.
+- load: compile, in-memory cache hit, on-disk cache hit (a new runtime, deserialize).
+
+The machine is shared and noisy: medians over many calls, and compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "host"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from controller_wat import controller_wat, full_mask_wat, wasm_of  # noqa: E402
+from rudder.controller import ControllerRuntime  # noqa: E402
+from rudder.tokenizer import Tokenizer  # noqa: E402
+
+
+def _stats(seconds: list[float]) -> dict:
+    us = np.asarray(seconds) * 1e6
+    return {"median_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99)),
+            "mean_us": float(us.mean()), "n": len(us)}
+
+
+def _timed(fn, n: int, warmup: int = 50) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    clock = time.perf_counter
+    for _ in range(n):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
+    return out
+
+
+def measure_overhead(tokenizer, calls: int = 20000) -> dict:
+    """Per-step host overhead of a no-op full-mask controller (median/p99 in us)."""
+    with ControllerRuntime(tokenizer, cache_dir=False) as rt:
+        ctl = rt.start(rt.load(wasm_of(full_mask_wat())), "")
+        [b] = ctl.mid_process(0, 0, [1, 2, 3])
+        assert b.mask is not None and b.mask.shape == ((tokenizer.vocab_size + 31) // 32,)
+        tokens = [5]
+        step = _stats(_timed(lambda: ctl.mid_process(0, 0, tokens), calls))
+        inst = ctl._inst
+        func = inst.funcs["rudder_mid_process"]
+        ticks = ctl._ticks
+
+        def raw():
+            inst.vals_i32[8] = 0
+            inst.call_func(func, "rudder_mid_process", 3, ticks, 25)
+
+        raw_stats = _stats(_timed(raw, calls))
+        ctl.close()
+    return {"vocab_size": tokenizer.vocab_size, "mid_process": step, "raw_call": raw_stats}
+
+
+def _table_wat() -> str:
+    """A controller whose rudder_init copies the token table into its memory."""
+    return controller_wat(
+        memory='(memory (export "memory") 2)',
+        init="""(local $len i32)
+          (local.set $len (call $token_table_len))
+          (drop (memory.grow (i32.add (i32.shr_u (local.get $len) (i32.const 16)) (i32.const 1))))
+          (drop (call $token_table_read (i32.const 0x10000) (local.get $len)))
+          (i32.const 0)""")
+
+
+def measure_start(tokenizer, n: int = 300) -> dict:
+    """Request start on a cached, initialised module; fork of a live controller."""
+    out = {}
+    with ControllerRuntime(tokenizer, cache_dir=False) as rt:
+        for name, wat in (("start", full_mask_wat()), ("start+table", _table_wat())):
+            module = rt.load(wasm_of(wat))
+            rt.start(module, "").close()  # first use runs rudder_init
+
+            def start():
+                rt.start(module, "").close()
+
+            out[name] = _stats(_timed(start, n, warmup=20))
+            out[name]["snapshot_bytes"] = module._snapshot.stored_bytes
+            parent = rt.start(module, "")
+            parent.mid_process(0, 0, [1])
+            out[name.replace("start", "fork")] = _stats(_timed(lambda: parent.fork().close(), n, warmup=20))
+            parent.close()
+        out["pooling"] = rt.pooling
+    return out
+
+
+def measure_load(tokenizer, n: int = 50) -> dict:
+    """Module load: compile (no cache), in-memory hit, on-disk hit in a fresh runtime."""
+    wasm = wasm_of(_table_wat())
+    with tempfile.TemporaryDirectory() as cache:
+        with ControllerRuntime(tokenizer, cache_dir=cache) as rt:
+            t0 = time.perf_counter()
+            rt.load(wasm)
+            compile_s = time.perf_counter() - t0
+            memory = _stats(_timed(lambda: rt.load(wasm), n, warmup=5))
+        with ControllerRuntime(tokenizer, cache_dir=cache) as rt:
+            def from_disk():
+                rt.cache._memory.clear()
+                rt.load(wasm)
+
+            disk = _stats(_timed(from_disk, n, warmup=1))
+            assert rt.cache.stats["compiled"] == 0
+    return {"wasm_bytes": len(wasm), "compile_ms": compile_s * 1e3, "memory_hit": memory, "disk_hit": disk}
+
+
+def print_table(results: dict) -> None:
+    print(f"{'what':<38} {'median':>10} {'p99':>10}")
+    for row in results["overhead"]:
+        v = row["vocab_size"]
+        for key, label in (("mid_process", "mid_process (call+read+validate)"), ("raw_call", "raw wasm call")):
+            s = row[key]
+            print(f"{label + f' V={v}':<38} {s['median_us']:>8.2f}us {s['p99_us']:>8.2f}us")
+    st = results["start"]
+    for key in ("start", "fork", "start+table", "fork+table"):
+        s = st[key]
+        extra = f"  (snapshot {s['snapshot_bytes'] / 1024:.0f} KiB)" if "snapshot_bytes" in s else ""
+        print(f"{key + ' V=' + str(results['start_vocab']):<38} {s['median_us']:>8.1f}us {s['p99_us']:>8.1f}us{extra}")
+    ld = results["load"]
+    print(f"{'load: compile':<38} {ld['compile_ms'] * 1e3:>8.0f}us")
+    print(f"{'load: in-memory cache hit':<38} {ld['memory_hit']['median_us']:>8.1f}us {ld['memory_hit']['p99_us']:>8.1f}us")
+    print(f"{'load: on-disk cache hit':<38} {ld['disk_hit']['median_us']:>8.1f}us {ld['disk_hit']['p99_us']:>8.1f}us")
+    print(f"(pooling allocator: {st['pooling']})")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=20000, help="mid_process calls per measurement")
+    ap.add_argument("--smollm2", action="store_true", help="start rows with SmolLM2's tokenizer "
+                    "(needs the model in $RUDDER_HOME); else a synthetic 49152-token vocabulary")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    vocab_49k = Tokenizer.byte_level(vocab_size=49152)
+    vocab_128k = Tokenizer.byte_level(vocab_size=128000)
+    start_tok = vocab_49k
+    if args.smollm2:
+        from rudder.model_files import model_dir
+
+        start_tok = Tokenizer.from_folder(model_dir())
+    results = {
+        "machine": platform.platform(),
+        "overhead": [measure_overhead(vocab_49k, args.calls), measure_overhead(vocab_128k, args.calls)],
+        "start_vocab": "smollm2" if args.smollm2 else start_tok.vocab_size,
+        "start": measure_start(start_tok),
+        "load": measure_load(start_tok),
+    }
+    print_table(results)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

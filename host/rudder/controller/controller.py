@@ -1,0 +1,154 @@
+"""Controller: the per-sequence handle the engine drives (mid_process / fork / close).
+
+One Controller = one sandboxed instance (its own Store and memory). All Controllers of one
+request share a RequestContext (argument, variables, log, limits, live count). Any failure
+raises ControllerError and leaves the Controller dead: its state may be half-updated, so
+later calls refuse rather than run on it.
+
+Not thread-safe per Controller (one sequence is stepped by one thread at a time); different
+Controllers may run in parallel threads, and their guest code then really runs in parallel
+(the GIL is released during wasm calls).
+"""
+
+from __future__ import annotations
+
+from ..branch import Branch
+from .errors import ControllerError
+from .host_api import HostState, RequestContext
+from .instance import Instance
+from .limits import deadline_ticks
+from .result import ResultDecoder
+from .snapshot import clone_state
+
+__all__ = ["Controller"]
+
+# rudder_input is asked for at least this many tokens, so that the common one-token steps
+# after a short prompt don't each need a second call into the guest.
+MIN_INPUT_CAPACITY = 64
+
+
+class Controller:
+    """Drives one sequence's controller instance. See docs/abi.md for the protocol."""
+
+    def __init__(self, shared, cmod, request: RequestContext, inst: Instance):
+        self.request = request
+        self._shared = shared
+        self._cmod = cmod
+        self._inst: Instance | None = inst
+        limits = request.limits
+        self._decoder = ResultDecoder(shared.vocab_size, limits.max_forks, limits.max_ff_tokens)
+        self._ms = limits.mid_process_ms
+        self._ticks = deadline_ticks(limits.mid_process_ms, shared.tick_ms)
+        self._f_mid = inst.funcs["rudder_mid_process"]
+        self._in_ptr = 0   # the guest's input buffer, from the last rudder_input call
+        self._in_cap = 0   # ... and its capacity in tokens
+        self._failure: ControllerError | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ the step
+
+    def mid_process(self, branch_idx: int, backtrack: int, tokens) -> list[Branch]:
+        """Call rudder_mid_process with the tokens appended since the last call; return the
+        Branch records. Masks are zero-copy views of guest memory, valid until the next call
+        into this controller."""
+        inst = self._inst
+        if inst is None or self._failure is not None or self._shared.closed:
+            raise self._unusable()
+        try:
+            n = len(tokens)
+            if n:
+                if n > self._in_cap:
+                    self._reserve_input(n)
+                p = self._in_ptr >> 2
+                if n == 1:
+                    inst.u32[p] = tokens[0]
+                else:
+                    inst.u32[p:p + n] = tokens
+            slots = inst.vals_i32
+            slots[0] = branch_idx
+            slots[4] = backtrack
+            slots[8] = n
+            ptr = inst.call_func(self._f_mid, "rudder_mid_process", 3, self._ticks, self._ms)
+            return self._decoder.decode(inst, ptr)
+        except ControllerError as e:
+            self._failure = e
+            raise
+
+    def _reserve_input(self, n: int) -> None:
+        inst = self._inst
+        cap = max(n, MIN_INPUT_CAPACITY)
+        inst.vals_i32[0] = cap
+        ptr = inst.call("rudder_input", 1, self._ticks, self._ms) & 0xFFFFFFFF
+        if ptr + 4 * cap > inst.size:
+            inst.check_growth()  # the guest may have grown its memory to make room
+        if ptr == 0 or ptr & 3 or ptr + 4 * cap > inst.size:
+            raise ControllerError(
+                "invalid_result", f"rudder_input({cap}) returned {ptr:#x}: not a 4-byte aligned "
+                f"buffer of {4 * cap} bytes inside memory ({inst.size} bytes)", inst.log_tail())
+        self._in_ptr, self._in_cap = ptr, cap
+
+    # ------------------------------------------------------------------ fork / close
+
+    def fork(self) -> "Controller":
+        """A copy of this controller (memory and exported mutable globals as they are now)
+        for a new sequence of the same request; it counts toward max_forks."""
+        inst = self._inst
+        if inst is None or self._failure is not None or self._shared.closed:
+            raise self._unusable()
+        req = self.request
+        with req.lock:
+            if req.live >= req.limits.max_forks:
+                raise ControllerError("limit", f"cannot fork: the request already has {req.live} live "
+                                      f"sequences (max_forks {req.limits.max_forks})", inst.log_tail())
+            req.live += 1
+        try:
+            shared = self._shared
+            child_inst = Instance(shared, self._cmod, HostState(shared, req), req.limits.memory_bytes,
+                                  deadline_ticks(req.limits.init_ms, shared.tick_ms))
+            clone_state(inst, child_inst, shared.eager_bytes)
+        except BaseException:
+            with req.lock:
+                req.live -= 1
+            raise
+        child = Controller(shared, self._cmod, req, child_inst)
+        child._in_ptr, child._in_cap = self._in_ptr, self._in_cap
+        return child
+
+    def close(self) -> None:
+        """Release this sequence's instance and its place among the request's live
+        sequences. Masks handed out earlier stay readable (they keep the memory alive)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inst = None
+        with self.request.lock:
+            self.request.live -= 1
+
+    def __enter__(self) -> "Controller":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ misc
+
+    def log_text(self) -> str:
+        """The request's log so far (shared by all its forks)."""
+        return self.request.log_text()
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    @property
+    def memory_size(self) -> int:
+        return self._inst.size if self._inst is not None else 0
+
+    def _unusable(self) -> ControllerError:
+        tail = ControllerError.tail_of(self.request.log)
+        if self._failure is not None:
+            return ControllerError(self._failure.kind, f"controller already failed: {self._failure}", tail)
+        if self._shared.closed:
+            return ControllerError("limit", "the controller runtime was closed", tail)
+        return ControllerError("limit", "the controller was closed", tail)
+

@@ -1,0 +1,127 @@
+"""ControllerModule: a compiled, checked controller, and the checks themselves.
+
+A module is checked once, when it is loaded: that it is a core wasm module, that it imports
+only the `rudder` host functions, and that it exports what docs/abi.md requires with the
+right types. Later failures can then only come from what the guest *does*.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import wasmtime
+
+from .errors import ControllerError
+from .host_api import check_imports
+
+__all__ = ["ControllerModule", "FUNC_EXPORTS", "check_binary", "inspect_exports"]
+
+# name -> (params, results), all i32
+FUNC_EXPORTS: dict[str, tuple[int, int]] = {
+    "rudder_abi_version": (0, 1),
+    "rudder_init": (0, 1),
+    "rudder_start": (0, 1),
+    "rudder_input": (1, 1),
+    "rudder_mid_process": (3, 1),
+}
+_NUMERIC = {"i32", "i64", "f32", "f64"}
+_START_SECTION = 8
+
+
+class ControllerModule:
+    """A loaded controller. Public: `sha256` (of the wasm bytes), `wasm_size`,
+    `compiled_size` (bytes of compiled code, as serialized). The rest belongs to the runtime
+    that loaded it: the wasmtime module, its pre-linked form, and the post-init snapshot."""
+
+    def __init__(self, sha256: str, wasm_size: int, compiled_size: int, module: wasmtime.Module,
+                 pre: wasmtime.InstancePre, pre_ptr, mutable_globals: tuple[str, ...], shared):
+        self.sha256 = sha256
+        self.wasm_size = wasm_size
+        self.compiled_size = compiled_size
+        self._module = module
+        self._pre = pre          # keeps the wasmtime_instance_pre_t alive
+        self._pre_ptr = pre_ptr  # ... which cffi calls use
+        self._func_exports = tuple(FUNC_EXPORTS)
+        self._mutable_globals = mutable_globals
+        self._shared = shared    # the runtime it belongs to
+        self._lock = threading.Lock()  # one rudder_init at a time
+        self._snapshot = None    # set after a successful rudder_init
+        self._init_error: ControllerError | None = None  # a deterministic init failure
+
+    def __repr__(self) -> str:
+        return (f"ControllerModule(sha256={self.sha256[:12]}..., wasm_size={self.wasm_size}, "
+                f"compiled_size={self.compiled_size})")
+
+
+def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data) or shift > 28:
+            raise ValueError("malformed LEB128")
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def check_binary(wasm: bytes) -> None:
+    """Reject what is not a core wasm module before compiling, and modules with a start
+    function: it would run at every instantiation, outside rudder_init's snapshot, and could
+    make fresh instances differ from one another (our snapshots assume they don't)."""
+    if len(wasm) < 8 or wasm[:4] != b"\0asm":
+        raise ControllerError("bad_module", "not a WebAssembly binary (no \\0asm header)")
+    if wasm[4:8] != b"\x01\x00\x00\x00":
+        raise ControllerError("bad_module", "not a core WebAssembly module (version "
+                              f"{wasm[4:8].hex()}); components are not supported")
+    pos = 8
+    try:
+        while pos < len(wasm):
+            section = wasm[pos]
+            size, pos = _leb_u32(wasm, pos + 1)
+            if section == _START_SECTION:
+                raise ControllerError("bad_module", "the module has a start function; controllers "
+                                      "must do their set-up in rudder_init")
+            pos += size
+    except ValueError:
+        pass  # malformed: the compiler reports it precisely
+
+
+def inspect_exports(module: wasmtime.Module) -> tuple[str, ...]:
+    """Check the exports against the ABI; return the names of the exported mutable globals
+    (part of a controller's state, copied with its memory)."""
+    exports = {e.name: e.type for e in module.exports}
+    memory = exports.get("memory")
+    if not isinstance(memory, wasmtime.MemoryType):
+        raise ControllerError("bad_module", "the controller does not export its linear memory as `memory`")
+    if memory.is_64:
+        raise ControllerError("bad_module", "the controller's memory is 64-bit; wasm32 is required")
+    for name, (n_params, n_results) in FUNC_EXPORTS.items():
+        ty = exports.get(name)
+        want = f"({', '.join(['i32'] * n_params)}) -> i32"
+        if ty is None:
+            raise ControllerError("bad_module", f"the controller does not export {name}{want}")
+        if not isinstance(ty, wasmtime.FuncType):
+            raise ControllerError("bad_module", f"the controller's export {name} is not a function")
+        params, results = [str(p) for p in ty.params], [str(r) for r in ty.results]
+        if params != ["i32"] * n_params or results != ["i32"] * n_results:
+            got = f"({', '.join(params)}) -> ({', '.join(results)})"
+            raise ControllerError("bad_module", f"the controller's export {name} has type {got}, "
+                                  f"but the ABI says {want}")
+    mutable = []
+    for name, ty in exports.items():
+        if isinstance(ty, wasmtime.GlobalType) and ty.mutable:
+            if str(ty.content) not in _NUMERIC:
+                raise ControllerError("bad_module", f"the controller exports mutable global {name} of "
+                                      f"type {ty.content}; only numeric globals are supported")
+            mutable.append(name)
+    return tuple(mutable)
+
+
+def check_module(module: wasmtime.Module) -> tuple[str, ...]:
+    """All load-time checks of a compiled module; returns its mutable global exports."""
+    problem = check_imports(module)
+    if problem:
+        raise ControllerError("bad_import", problem)
+    return inspect_exports(module)

@@ -1,0 +1,350 @@
+"""ControllerRuntime: the wasmtime engine, the epoch ticker, the module cache and the token
+table, shared by every controller of one LLM/server.
+
+Engine settings, and why:
+- epoch interruption (not fuel): deadlines cost ~6% of guest speed instead of ~9%, and a
+  ticker thread gives wall-clock deadlines, which is what the step budget is about.
+- wasm threads/shared memory, memory64, multi-memory, GC off: a controller has exactly one
+  32-bit private memory (the ABI's pointers are u32; snapshots copy one memory).
+- the pooling instance allocator with the first `keep_resident` bytes of each memory slot
+  kept resident: every request and fork is a new instance, and writing its snapshot into
+  fresh pages costs a page fault per 4 KiB (a 1.3 MB token table: ~0.8 ms); in a reused,
+  resident slot the same copy takes ~0.1 ms. If the pool cannot be reserved (it is virtual
+  address space: ~4 GiB per slot), we fall back to wasmtime's default allocator.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+import weakref
+from importlib.metadata import version as _pkg_version
+from pathlib import Path
+
+import wasmtime
+from wasmtime import _bindings as _wb
+
+from .controller import Controller
+from .errors import ControllerError
+from .fastcall import addr, ffi, lib
+from .host_api import HostState, RequestContext, define_imports
+from .instance import WASM_PAGE, Instance
+from .limits import Limits, deadline_ticks
+from .module import ControllerModule, check_binary, check_module
+from .module_cache import ModuleCache, default_cache_dir, fingerprint, read_wasm, sha256_hex
+from .snapshot import restore_snapshot, take_snapshot
+from .token_table import token_table_for
+
+__all__ = ["ControllerRuntime"]
+
+# The epoch tick. Deadlines are ceil(ms / tick) + 1 ticks, so a 25 ms deadline fires between
+# 26 and 28 ms: 2 ms keeps that slack within ~10% of the step budget. Each tick is a Python
+# wake-up (~2% of one core at 500/s, measured here, and only while a controller instance
+# exists); a 0.2 ms tick would cost 10x that for slack nobody needs.
+TICK_MS = 2.0
+MAX_MODULE_BYTES = 64 << 20  # compile time grows with size; no real controller is near this
+# Deterministic init failures are remembered so a broken module fails fast on every request;
+# timeouts and pool exhaustion depend on load, so those are retried.
+_STICKY_INIT_KINDS = {"init", "bad_module", "trap", "oom", "invalid_result"}
+
+
+class _Shared:
+    """What instances and host functions need from the runtime (no reference back to it, so
+    the runtime can be collected while controllers are still alive)."""
+
+    def __init__(self, engine, tokenizer, limits: Limits, tick_ms: float, eager_bytes: int,
+                 backtrack_allowed: bool):
+        self.engine = engine
+        self.engine_ptr = ffi.cast("wasm_engine_t *", addr(engine.ptr()))
+        self.tokenizer = tokenizer
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.limits = limits
+        self.tick_ms = tick_ms
+        self.eager_bytes = eager_bytes
+        self.backtrack_allowed = backtrack_allowed
+        self.closed = False
+        self.ticker = None  # the runtime's _Ticker, told when stores come and go
+        self._table: bytes | None = None
+        self._table_lock = threading.Lock()
+
+    @property
+    def token_table(self) -> bytes:
+        if self._table is None:
+            with self._table_lock:
+                if self._table is None:
+                    self._table = token_table_for(self.tokenizer)
+        return self._table
+
+
+def _config(pooling: dict | None) -> wasmtime.Config:
+    cfg = wasmtime.Config()
+    cfg.epoch_interruption = True
+    cfg.cranelift_opt_level = "speed"
+    cfg.wasm_threads = False
+    cfg.shared_memory = False
+    cfg.wasm_memory64 = False
+    cfg.wasm_multi_memory = False
+    cfg.wasm_gc = False
+    cfg.wasm_function_references = False
+    cfg.wasm_custom_page_sizes = False
+    if pooling:
+        pc = _wb.wasmtime_pooling_allocation_config_new()
+        try:
+            _wb.wasmtime_pooling_allocation_config_total_memories_set(pc, pooling["slots"])
+            _wb.wasmtime_pooling_allocation_config_total_core_instances_set(pc, pooling["slots"])
+            _wb.wasmtime_pooling_allocation_config_total_tables_set(pc, pooling["slots"])
+            _wb.wasmtime_pooling_allocation_config_total_stacks_set(pc, 0)
+            _wb.wasmtime_pooling_allocation_config_total_component_instances_set(pc, 0)
+            _wb.wasmtime_pooling_allocation_config_max_memories_per_module_set(pc, 1)
+            _wb.wasmtime_pooling_allocation_config_max_tables_per_module_set(pc, 1)
+            _wb.wasmtime_pooling_allocation_config_max_memory_size_set(pc, pooling["max_memory"])
+            _wb.wasmtime_pooling_allocation_config_linear_memory_keep_resident_set(pc, pooling["keep_resident"])
+            _wb.wasmtime_pooling_allocation_strategy_set(cfg.ptr(), pc)
+        finally:
+            _wb.wasmtime_pooling_allocation_config_delete(pc)
+    return cfg
+
+
+def _make_engine(limits: Limits, slots: int, keep_resident: int) -> tuple[wasmtime.Engine, bool]:
+    if slots > 0:
+        pooling = {"slots": slots, "max_memory": max(limits.memory_bytes, WASM_PAGE),
+                   "keep_resident": keep_resident}
+        try:
+            return wasmtime.Engine(_config(pooling)), True
+        except (wasmtime.WasmtimeError, OSError):
+            pass  # e.g. a `ulimit -v` too small for the pool's reservations
+    return wasmtime.Engine(_config(None)), False
+
+
+class _Ticker:
+    """A daemon thread that advances the engine's epoch every tick while any store exists.
+
+    Each wake-up costs ~50 us of CPU in Python (2-3% of a core at 500/s), so an idle runtime
+    (no live store: nothing could be running) doesn't tick at all. A store is created before
+    any call into it, so deadlines always run against a ticking clock."""
+
+    def __init__(self, engine, engine_ptr, period_s: float):
+        self._engine = engine  # the engine must outlive the thread
+        self._engine_ptr = engine_ptr
+        self._period = period_s
+        self._cond = threading.Condition()
+        self._live = 0
+        self._stopped = False
+        self._orphaned = False  # the runtime is gone; exit once its last store is
+        self._thread = threading.Thread(target=self._run, name="rudder-epoch-ticker", daemon=True)
+        self._thread.start()
+
+    def store_opened(self) -> None:
+        with self._cond:
+            self._live += 1
+            if self._live == 1:
+                self._cond.notify()
+
+    def store_closed(self) -> None:
+        with self._cond:
+            self._live -= 1
+            if self._live == 0 and self._orphaned:
+                self._cond.notify()
+
+    def orphan(self) -> None:
+        """The runtime was dropped without close(): controllers it started may still run,
+        and their deadlines need ticks, so keep going until the last store is gone."""
+        with self._cond:
+            self._orphaned = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        increment, ptr, cond = lib.wasmtime_engine_increment_epoch, self._engine_ptr, self._cond
+        while True:
+            with cond:
+                while self._live <= 0 and not self._stopped and not self._orphaned:
+                    cond.wait()
+                if self._stopped or (self._orphaned and self._live <= 0):
+                    return
+            time.sleep(self._period)
+            increment(ptr)
+
+
+class ControllerRuntime:
+    """Loads controller modules and starts controllers for requests.
+
+    `limits` are the server's defaults and ceilings (a dict lowers the ABI defaults); a
+    request passes its own to `start`, which can only lower them. `cache_dir` holds compiled modules (default
+    `$RUDDER_HOME/wasm-cache`; pass `False` for no disk cache). `max_instances` bounds the
+    live instances (requests + forks + one per module being initialised) the pooling
+    allocator reserves room for.
+    """
+
+    def __init__(self, tokenizer, limits: Limits = Limits(), cache_dir: Path | None = None, *,
+                 max_instances: int = 1024, keep_resident: int = 4 << 20,
+                 backtrack_allowed: bool = True, tick_ms: float = TICK_MS):
+        if not isinstance(limits, Limits):
+            limits = Limits().capped(limits)
+        keep_resident = -(-int(keep_resident) // WASM_PAGE) * WASM_PAGE
+        self.limits = limits
+        engine, self.pooling = _make_engine(limits, max_instances, keep_resident)
+        self.engine = engine
+        self._shared = _Shared(engine, tokenizer, limits, tick_ms,
+                               keep_resident if self.pooling else 0, backtrack_allowed)
+        self.linker = wasmtime.Linker(engine)
+        define_imports(self.linker)
+        # Everything that changes compiled code or what the load-time checks accept (bump the
+        # "rudder-controller-N" tag when the checks change): runtimes that differ in these
+        # use different files instead of overwriting each other's.
+        fp = fingerprint("rudder-controller-1", _pkg_version("wasmtime"), platform.machine(),
+                         "epoch", "speed", "pooling" if self.pooling else "ondemand",
+                         limits.memory_bytes)
+        if cache_dir is None:
+            cache_dir = default_cache_dir()
+        self.cache = ModuleCache(engine, fp, cache_dir or None)
+        self._ticker = _Ticker(engine, self._shared.engine_ptr, tick_ms / 1000)
+        self._shared.ticker = self._ticker
+        # A runtime dropped without close() lets its ticker end with its last store.
+        self._finalizer = weakref.finalize(self, self._ticker.orphan)
+
+    @property
+    def tokenizer(self):
+        return self._shared.tokenizer
+
+    @property
+    def tick_ms(self) -> float:
+        return self._shared.tick_ms
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, wasm: bytes | str | Path) -> ControllerModule:
+        """Validate and compile a controller (cached by the sha256 of its bytes).
+        Raises ControllerError (kind bad_module or bad_import)."""
+        self._check_open()
+        data = read_wasm(wasm)
+        sha = sha256_hex(data)
+        cached = self.cache.get(sha)
+        if isinstance(cached, ControllerError):  # a module that failed before: fail fast
+            raise ControllerError(cached.kind, str(cached))
+        if cached is not None:
+            return cached
+        hit = self.cache.from_disk(sha)
+        if hit is not None:
+            module, compiled_size, meta = hit
+            mutable_globals = tuple(meta.get("mutable_globals", ()))
+        else:
+            try:
+                if len(data) > MAX_MODULE_BYTES:
+                    raise ControllerError("bad_module", f"the module is {len(data) >> 20} MiB, over "
+                                          f"the {MAX_MODULE_BYTES >> 20} MiB limit")
+                check_binary(data)
+                module = self.cache.compile(data)
+                mutable_globals = check_module(module)
+            except ControllerError as e:
+                self.cache.put(sha, e)
+                raise
+            compiled_size = self.cache.store(sha, module, {"mutable_globals": list(mutable_globals)})
+        try:
+            pre = self.linker.instantiate_pre(module)
+        except wasmtime.WasmtimeError as e:
+            raise ControllerError("bad_import", f"cannot link the controller: {str(e).splitlines()[0]}") from None
+        pre_ptr = ffi.cast("wasmtime_instance_pre_t *", addr(pre.ptr()))
+        cmod = ControllerModule(sha, len(data), compiled_size, module, pre, pre_ptr,
+                                mutable_globals, self._shared)
+        return self.cache.put(sha, cmod)
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, module: ControllerModule, arg: bytes | str = b"",
+              limits: Limits | dict | None = None) -> Controller:
+        """A controller for a new request: a fresh instance holding the module's post-init
+        state, after rudder_start has accepted `arg`. Raises ControllerError."""
+        self._check_open()
+        if module._shared is not self._shared:
+            raise ValueError("this module was loaded by another ControllerRuntime")
+        lim = self.limits.capped(limits)
+        if isinstance(arg, str):
+            arg = arg.encode("utf-8")
+        snap = self._ensure_init(module)
+        shared = self._shared
+        request = RequestContext(bytes(arg), lim)
+        ticks = deadline_ticks(lim.init_ms, shared.tick_ms)
+        inst = Instance(shared, module, HostState(shared, request), lim.memory_bytes, ticks)
+        restore_snapshot(inst, snap)
+        inst.vals_i32[0] = 0
+        status = inst.call("rudder_start", 1, ticks, lim.init_ms)
+        if status != 0:
+            raise ControllerError("start", f"rudder_start returned {status}: the controller "
+                                  f"rejected the request (see its log)", inst.log_tail())
+        request.live = 1
+        return Controller(shared, module, request, inst)
+
+    def _ensure_init(self, cmod: ControllerModule):
+        """The module's post-init snapshot, running rudder_init the first time."""
+        snap = cmod._snapshot
+        if snap is not None:
+            return snap
+        with cmod._lock:
+            if cmod._snapshot is not None:
+                return cmod._snapshot
+            if cmod._init_error is not None:
+                e = cmod._init_error
+                raise ControllerError(e.kind, str(e), e.log_tail)
+            try:
+                cmod._snapshot = self._run_init(cmod)
+            except ControllerError as e:
+                if e.kind in _STICKY_INIT_KINDS:
+                    cmod._init_error = e
+                raise
+            return cmod._snapshot
+
+    def _run_init(self, cmod: ControllerModule):
+        shared, lim = self._shared, self.limits
+        shared.token_table  # built before the deadline starts, not inside an import
+        ticks = deadline_ticks(lim.init_ms, shared.tick_ms)
+        inst = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
+        inst.vals_i32[0] = 0
+        abi = inst.call("rudder_abi_version", 1, ticks, lim.init_ms)
+        if abi != 1:
+            raise ControllerError("bad_module", f"the controller was built for ABI version {abi}; "
+                                  f"this host implements version 1", inst.log_tail())
+        inst.vals_i32[0] = 0
+        status = inst.call("rudder_init", 1, ticks, lim.init_ms)
+        if status != 0:
+            raise ControllerError("init", f"rudder_init returned {status} (see the controller's log)",
+                                  inst.log_tail())
+        fresh = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
+        snap = take_snapshot(inst, fresh)
+        cmod._init_log = bytes(inst.state.log)
+        return snap
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _check_open(self) -> None:
+        if self._shared.closed:
+            raise RuntimeError("the ControllerRuntime is closed")
+
+    def close(self) -> None:
+        """Stop the epoch ticker. Live controllers refuse further calls (without ticks a
+        runaway guest could no longer be interrupted)."""
+        if self._shared.closed:
+            return
+        self._shared.closed = True
+        self._ticker.stop()
+        self._ticker.join(timeout=1.0)
+
+    def __enter__(self) -> "ControllerRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        return dict(self.cache.stats, pooling=self.pooling)
+

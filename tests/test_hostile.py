@@ -1,0 +1,499 @@
+"""Hostile controllers: each misbehaves in one way and must fail its own request with a
+ControllerError of the right kind and a clear message, leaving the runtime usable."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from controller_wat import GOOD_WAT, controller_wat, wasm_of
+from rudder.controller import ControllerError, ControllerRuntime, Limits
+from rudder.tokenizer import Tokenizer
+
+INIT_MS = 300  # the server's init deadline in these tests (1000 by default: too slow here)
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    runtime = ControllerRuntime(Tokenizer.byte_level(512), limits=Limits(init_ms=INIT_MS),
+                                cache_dir=tmp_path_factory.mktemp("wasm-cache"))
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(autouse=True)
+def runtime_still_works(rt):
+    """After every hostile test, a good controller still runs on the same runtime."""
+    yield
+    ctl = rt.start(rt.load(wasm_of(GOOD_WAT)), "m")
+    [b] = ctl.mid_process(0, 0, [1, 2])
+    assert b.ff == [[7, 8, 9]]
+    ctl.close()
+
+
+def load_error(rt, wasm: bytes) -> ControllerError:
+    with pytest.raises(ControllerError) as e:
+        rt.load(wasm)
+    _check_message(e.value)
+    return e.value
+
+
+def start_error(rt, wat: str, arg: str = "", limits=None) -> ControllerError:
+    module = rt.load(wasm_of(wat))
+    with pytest.raises(ControllerError) as e:
+        rt.start(module, arg, limits)
+    _check_message(e.value)
+    return e.value
+
+
+def step_error(rt, wat: str, tokens=(1,), limits=None) -> ControllerError:
+    ctl = rt.start(rt.load(wasm_of(wat)), "", limits)
+    with pytest.raises(ControllerError) as e:
+        ctl.mid_process(0, 0, list(tokens))
+    _check_message(e.value)
+    # a failed controller is dead: further calls refuse, with the same kind
+    with pytest.raises(ControllerError) as again:
+        ctl.mid_process(0, 0, [1])
+    assert again.value.kind == e.value.kind and "already failed" in str(again.value)
+    with pytest.raises(ControllerError):
+        ctl.fork()
+    ctl.close()
+    assert ctl.request.live == 0
+    return e.value
+
+
+def _check_message(e: ControllerError) -> None:
+    text = str(e)
+    assert text and "\n" not in text and len(text) < 400, text
+    print(f"\n[{e.kind}] {text}")
+
+
+LOOP = "(loop $l (br $l)) (i32.const 0)"
+
+
+# ----------------------------------------------------------------------------- runaway code
+
+
+def test_infinite_loop_in_init(rt):
+    t0 = time.perf_counter()
+    e = start_error(rt, controller_wat(init=LOOP))
+    elapsed = time.perf_counter() - t0
+    assert e.kind == "timeout" and "rudder_init" in str(e) and f"{INIT_MS} ms" in str(e)
+    assert elapsed < INIT_MS / 1000 + 0.5
+
+
+def test_infinite_loop_in_start(rt):
+    t0 = time.perf_counter()
+    e = start_error(rt, controller_wat(start=LOOP), limits={"init_ms": 50})
+    assert e.kind == "timeout" and "rudder_start" in str(e) and "50 ms" in str(e)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_infinite_loop_in_mid_process(rt):
+    ctl = rt.start(rt.load(wasm_of(controller_wat(mid=LOOP))), "")
+    t0 = time.perf_counter()
+    with pytest.raises(ControllerError) as e:
+        ctl.mid_process(0, 0, [1])
+    elapsed = time.perf_counter() - t0
+    print(f"\n[{e.value.kind}] {e.value} after {elapsed * 1e3:.1f} ms")
+    assert e.value.kind == "timeout" and "rudder_mid_process" in str(e.value) and "25 ms" in str(e.value)
+    assert 0.024 < elapsed < 0.5
+    ctl.close()
+
+
+def test_infinite_loop_in_rudder_input(rt):
+    e = step_error(rt, controller_wat(input_=LOOP))
+    assert e.kind == "timeout" and "rudder_input" in str(e)
+
+
+def test_memory_bomb(rt):
+    # grow one page at a time until memory.grow says no (-1), then give up (abort)
+    bomb = """(block $done (loop $l
+                 (br_if $done (i32.eq (memory.grow (i32.const 1)) (i32.const -1)))
+                 (br $l)))
+              unreachable"""
+    e = step_error(rt, controller_wat(mid=bomb), limits={"memory_bytes": 8 << 20})
+    assert e.kind == "oom" and "8 MiB" in str(e)
+
+
+def test_memory_bomb_that_keeps_going(rt):
+    bomb = """(loop $l (drop (memory.grow (i32.const 16))) (br $l)) (i32.const 0)"""
+    e = step_error(rt, controller_wat(mid=bomb))
+    assert e.kind == "timeout"
+
+
+def test_memory_limit_below_the_snapshot(rt):
+    init = "(drop (memory.grow (i32.const 40))) (i32.store (i32.const 0x200000) (i32.const 1)) (i32.const 0)"
+    e = start_error(rt, controller_wat(init=init), limits={"memory_bytes": 1 << 20})
+    assert e.kind == "oom" and "1 MiB" in str(e)
+
+
+def test_stack_overflow(rt):
+    wat = controller_wat(
+        mid="(call $down (i32.const 0))",
+        extra="(func $down (param i32) (result i32) (call $down (i32.add (local.get 0) (i32.const 1))))")
+    e = step_error(rt, wat)
+    assert e.kind == "trap" and "stack overflow" in str(e)
+
+
+def test_unreachable(rt):
+    e = step_error(rt, controller_wat(mid="unreachable"))
+    assert e.kind == "trap" and "unreachable" in str(e) and "rudder_mid_process" in str(e)
+
+
+def test_out_of_bounds_memory_access(rt):
+    e = step_error(rt, controller_wat(mid="(i32.load (i32.const -4))"))
+    assert e.kind == "trap" and "out-of-bounds" in str(e)
+
+
+def test_trap_in_init_is_remembered(rt):
+    wat = controller_wat(init="unreachable")
+    e = start_error(rt, wat)
+    assert e.kind == "trap" and "rudder_init" in str(e)
+    t0 = time.perf_counter()
+    e2 = start_error(rt, wat)  # fails fast, without running rudder_init again
+    assert e2.kind == "trap" and time.perf_counter() - t0 < 0.05
+
+
+def test_init_returns_error(rt):
+    wat = controller_wat(init="""(call $log (i32.const 0x300) (i32.const 9)) (i32.const 5)""",
+                         extra='(data (i32.const 0x300) "bad table")')
+    e = start_error(rt, wat)
+    assert e.kind == "init" and "rudder_init returned 5" in str(e)
+    assert e.log_tail == "bad table"
+
+
+def test_start_returns_error_with_log(rt):
+    wat = controller_wat(start="""(call $log (i32.const 0x300) (i32.const 11)) (i32.const -2)""",
+                         extra='(data (i32.const 0x300) "bad grammar")')
+    e = start_error(rt, wat)
+    assert e.kind == "start" and "rudder_start returned -2" in str(e) and e.log_tail == "bad grammar"
+
+
+# ----------------------------------------------------------------------------- bad results
+
+
+def result_at(addr: int, data: str) -> str:
+    return f'(data (i32.const {addr}) "{data}")'
+
+
+def test_null_result(rt):
+    e = step_error(rt, controller_wat(mid="(i32.const 0)"))
+    assert e.kind == "invalid_result" and "null" in str(e)
+
+
+def test_garbage_result_pointer(rt):
+    e = step_error(rt, controller_wat(mid="(i32.const 0xFFFFFFF0)"))
+    assert e.kind == "invalid_result" and "0xfffffff0" in str(e) and "outside memory" in str(e)
+
+
+def test_branches_pointer_out_of_bounds(rt):
+    # {n_branches 2, branches 0x1FFF8}: the records would run past the 128 KiB memory
+    wat = controller_wat(mid="(i32.const 0x400)", extra=result_at(0x400, r"\02\00\00\00\f8\ff\01\00"))
+    e = step_error(rt, wat)
+    assert e.kind == "invalid_result" and "branches" in str(e) and "outside memory" in str(e)
+
+
+def test_result_in_memory_grown_during_the_call(rt):
+    """Not hostile: a result placed in memory the guest grew during this very call."""
+    mid = """(drop (memory.grow (i32.const 1)))
+             (i32.store (i32.const 0x20000) (i32.const 1))
+             (i32.store (i32.const 0x20004) (i32.const 0x20010))
+             (i32.const 0x20000)"""
+    ctl = rt.start(rt.load(wasm_of(controller_wat(mid=mid))), "")
+    [b] = ctl.mid_process(0, 0, [1])
+    assert b.mask is None and b.ff == [] and ctl.memory_size == 3 * 65536
+    ctl.close()
+
+
+def test_out_of_range_token_in_ff(rt):
+    # branch {0, no mask, 1 list at 0x420}; list {2 tokens at 0x430} = [5, 512]
+    extra = "\n".join([result_at(0x400, r"\01\00\00\00\10\04\00\00"),
+                       result_at(0x410, r"\00\00\00\00\00\00\00\00\01\00\00\00\20\04\00\00"),
+                       result_at(0x420, r"\02\00\00\00\30\04\00\00"),
+                       result_at(0x430, r"\05\00\00\00\00\02\00\00")])
+    e = step_error(rt, controller_wat(mid="(i32.const 0x400)", extra=extra))
+    assert e.kind == "invalid_result" and "token id 512" in str(e)
+
+
+def test_mask_with_bits_past_vocab(tmp_path):
+    # vocab 500: 16 mask words, bits 500..511 of the last word must be clear
+    with ControllerRuntime(Tokenizer.byte_level(500), cache_dir=tmp_path) as rt:
+        def wat(last_word: str) -> str:
+            extra = "\n".join([result_at(0x400, r"\01\00\00\00\10\04\00\00"),
+                               result_at(0x410, r"\00\00\00\00\00\10\00\00\00\00\00\00\00\00\00\00"),
+                               result_at(0x1000 + 15 * 4, last_word)])
+            return controller_wat(mid="(i32.const 0x400)", extra=extra)
+
+        e = step_error(rt, wat(r"\00\00\10\00"))  # bit 20 of word 15: token 500
+        assert e.kind == "invalid_result" and "past the vocabulary size 500" in str(e)
+        ok = wat(r"\00\00\08\00")  # bit 19: token 499, the last one, is fine
+        ctl = rt.start(rt.load(wasm_of(ok)), "")
+        [b] = ctl.mid_process(0, 0, [1])
+        assert int(b.mask[15]) == 1 << 19
+        ctl.close()
+
+
+def test_empty_mask(rt):
+    extra = "\n".join([result_at(0x400, r"\01\00\00\00\10\04\00\00"),
+                       result_at(0x410, r"\00\00\00\00\00\10\00\00\00\00\00\00\00\00\00\00")])
+    e = step_error(rt, controller_wat(mid="(i32.const 0x400)", extra=extra))
+    assert e.kind == "invalid_result" and "allows no token" in str(e)
+
+
+def test_mask_out_of_bounds(rt):
+    extra = "\n".join([result_at(0x400, r"\01\00\00\00\10\04\00\00"),
+                       result_at(0x410, r"\00\00\00\00\f0\ff\01\00\00\00\00\00\00\00\00\00")])
+    e = step_error(rt, controller_wat(mid="(i32.const 0x400)", extra=extra))
+    assert e.kind == "invalid_result" and "mask" in str(e) and "outside memory" in str(e)
+
+
+def test_several_ff_lists_without_mask(rt):
+    extra = "\n".join([result_at(0x400, r"\01\00\00\00\10\04\00\00"),
+                       result_at(0x410, r"\00\00\00\00\00\00\00\00\02\00\00\00\20\04\00\00")])
+    e = step_error(rt, controller_wat(mid="(i32.const 0x400)", extra=extra))
+    assert e.kind == "invalid_result" and "without a mask" in str(e)
+
+
+def test_too_many_branches(rt):
+    # 17 branches > max_forks 16 (the records themselves are all zeros: valid)
+    extra = result_at(0x400, r"\11\00\00\00\00\10\00\00")
+    e = step_error(rt, controller_wat(mid="(i32.const 0x400)", extra=extra))
+    assert e.kind == "limit" and "17 branches" in str(e) and "16" in str(e)
+    e = step_error(rt, controller_wat(mid="(i32.const 0x400)", extra=result_at(0x400, r"\04\00\00\00\00\10\00\00")),
+                   limits={"max_forks": 3})
+    assert e.kind == "limit" and "4 branches" in str(e)
+
+
+def test_oversized_fast_forward(rt):
+    # one list of 5000 tokens (> 4096); the token memory is all zeros
+    extra = "\n".join([result_at(0x400, r"\01\00\00\00\10\04\00\00"),
+                       result_at(0x410, r"\00\00\00\00\00\00\00\00\01\00\00\00\20\04\00\00"),
+                       result_at(0x420, r"\88\13\00\00\00\10\00\00")])
+    e = step_error(rt, controller_wat(mid="(i32.const 0x400)", extra=extra))
+    assert e.kind == "limit" and "5000 fast-forward tokens" in str(e)
+
+
+def test_bad_input_pointer(rt):
+    e = step_error(rt, controller_wat(input_="(i32.const 0x1FFF0)"))
+    assert e.kind == "invalid_result" and "rudder_input" in str(e)
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def test_log_spam_is_truncated(rt):
+    # 1 MB of log in 1 KiB calls: the request still works, the log stops at 64 KiB
+    mid = """(local.set $i (i32.const 1024))
+             (block $done (loop $l
+               (br_if $done (i32.eqz (local.get $i)))
+               (call $log (i32.const 0x1000) (i32.const 1024))
+               (local.set $i (i32.sub (local.get $i) (i32.const 1)))
+               (br $l)))
+             (i32.const 0x100)"""
+    ctl = rt.start(rt.load(wasm_of(controller_wat(mid=mid, mid_locals="(local $i i32)"))), "")
+    t0 = time.perf_counter()
+    [b] = ctl.mid_process(0, 0, [1])
+    elapsed = time.perf_counter() - t0
+    log = ctl.request.log
+    assert b.mask is None and not ctl.failed
+    assert len(log) == (64 << 10) + len(b"\n[log truncated]\n") and log.endswith(b"[log truncated]\n")
+    print(f"\n1 MB of log in {elapsed * 1e3:.1f} ms, kept {len(log)} bytes")
+    ctl.close()
+
+
+def test_import_with_bad_pointer_traps(rt):
+    e = step_error(rt, controller_wat(mid="(call $log (i32.const 0x1FFFF) (i32.const 16)) (i32.const 0x100)"))
+    assert e.kind == "trap" and "rudder.log" in str(e) and "outside" in str(e)
+    e = step_error(rt, controller_wat(
+        mid="(drop (call $token_table_read (i32.const -8) (i32.const 100))) (i32.const 0x100)"))
+    assert e.kind == "trap" and "rudder.token_table_read" in str(e)
+
+
+def test_tokenize_invalid_utf8_traps(rt):
+    wat = controller_wat(extra='(data (i32.const 0x300) "\\ff\\fe")',
+                         mid="(drop (call $tokenize (i32.const 0x300) (i32.const 2) (i32.const 0x400) (i32.const 4))) (i32.const 0x100)")
+    e = step_error(rt, wat)
+    assert e.kind == "trap" and "UTF-8" in str(e)
+
+
+# ----------------------------------------------------------------------------- bad modules
+
+
+def test_wasi_import_rejected(rt):
+    wat = controller_wat(imports='  (import "wasi_snapshot_preview1" "fd_write" (func (param i32 i32 i32 i32) (result i32)))')
+    e = load_error(rt, wasm_of(wat))
+    assert e.kind == "bad_import" and "wasi_snapshot_preview1.fd_write" in str(e)
+
+
+def test_unknown_rudder_import_rejected(rt):
+    e = load_error(rt, wasm_of(controller_wat(imports='  (import "rudder" "exec" (func (param i32)))')))
+    assert e.kind == "bad_import" and "rudder.exec" in str(e)
+
+
+def test_mistyped_rudder_import_rejected(rt):
+    e = load_error(rt, wasm_of(controller_wat(imports='  (import "rudder" "log" (func (param i64)))')))
+    assert e.kind == "bad_import" and "rudder.log" in str(e) and "(i64)" in str(e)
+
+
+def test_imported_memory_rejected(rt):
+    wat = controller_wat(imports='  (import "rudder" "memory" (memory 1))', memory="")
+    e = load_error(rt, wasm_of(wat.replace("(data (i32.const 0x100)", "(export \"memory\" (memory 0)) (data (i32.const 0x100)")))
+    assert e.kind == "bad_import" and "rudder.memory" in str(e)
+
+
+def test_invalid_bytes(rt):
+    e = load_error(rt, b"\0asm\x01\0\0\0\x99garbage")
+    assert e.kind == "bad_module"
+    e = load_error(rt, b"definitely not wasm")
+    assert e.kind == "bad_module" and "not a WebAssembly binary" in str(e)
+    e = load_error(rt, b"\0asm\x0d\0\x01\0")
+    assert e.kind == "bad_module" and "component" in str(e)
+
+
+def test_bad_module_is_remembered(rt):
+    wasm = b"\0asm\x01\0\0\0\x01\x05garbage"
+    load_error(rt, wasm)
+    compiled = rt.cache.stats["compiled"]
+    load_error(rt, wasm)
+    assert rt.cache.stats["compiled"] == compiled
+
+
+def test_missing_export(rt):
+    e = load_error(rt, wasm_of(controller_wat(omit=("rudder_mid_process",))))
+    assert e.kind == "bad_module" and "rudder_mid_process" in str(e)
+
+
+def test_mistyped_export(rt):
+    wat = controller_wat(omit=("rudder_input",), extra='(func (export "rudder_input") (param i64) (result i32) (i32.const 0))')
+    e = load_error(rt, wasm_of(wat))
+    assert e.kind == "bad_module" and "rudder_input" in str(e) and "i64" in str(e)
+
+
+def test_missing_memory_export(rt):
+    e = load_error(rt, wasm_of(controller_wat(memory="(memory 1)")))
+    assert e.kind == "bad_module" and "memory" in str(e)
+
+
+def test_start_function_rejected(rt):
+    e = load_error(rt, wasm_of(controller_wat(extra="(func $s) (start $s)")))
+    assert e.kind == "bad_module" and "start function" in str(e)
+
+
+def test_wrong_abi_version(rt):
+    e = start_error(rt, controller_wat(abi="(i32.const 2)"))
+    assert e.kind == "bad_module" and "ABI version 2" in str(e)
+
+
+def test_module_from_another_runtime(rt, tmp_path):
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path) as other:
+        module = other.load(wasm_of(GOOD_WAT))
+    with pytest.raises(ValueError):
+        rt.start(module, "")
+
+
+def test_closed_runtime(tmp_path):
+    rt = ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path)
+    ctl = rt.start(rt.load(wasm_of(GOOD_WAT)), "m")
+    rt.close()
+    with pytest.raises(ControllerError, match="runtime was closed"):
+        ctl.mid_process(0, 0, [1])
+    with pytest.raises(RuntimeError):
+        rt.load(wasm_of(GOOD_WAT))
+
+
+
+def test_dropped_runtime_still_enforces_deadlines(tmp_path):
+    import gc
+
+    rt = ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path)
+    ctl = rt.start(rt.load(wasm_of(controller_wat(mid=LOOP))), "")
+    del rt
+    gc.collect()
+    with pytest.raises(ControllerError) as e:  # the ticker outlives the runtime object
+        ctl.mid_process(0, 0, [1])
+    assert e.value.kind == "timeout"
+    ctl.close()
+
+# ----------------------------------------------------------------------------- fuzzing
+
+
+class _FakeInstance:
+    """Just enough of an Instance for the result decoder: a memory and a log."""
+
+    def __init__(self, memory: bytes):
+        import ctypes
+
+        import numpy as np
+
+        self.buf = (ctypes.c_ubyte * len(memory)).from_buffer_copy(memory)
+        self.size = len(memory)
+        self.u8 = np.frombuffer(self.buf, dtype=np.uint8)
+        self.u32 = np.frombuffer(self.buf, dtype=np.uint32)
+
+    def check_growth(self) -> bool:
+        return False
+
+    def log_tail(self) -> str:
+        return ""
+
+
+def test_result_decoder_fuzz():
+    """Arbitrary results (mostly well-formed, with any field possibly wild): the decoder
+    returns valid Branches or raises ControllerError, nothing else (no IndexError, no
+    struct.error, no crash), and what it returns obeys the ABI's rules."""
+    import struct
+
+    import numpy as np
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from rudder.controller.result import ResultDecoder
+
+    size = 4096  # result at 0x10, branches at 0x40, masks at 0x200, ff records at 0x400, tokens at 0x600
+
+    @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([500, 512]))
+    def check(seed, vocab):
+        # Drawing each word through hypothesis is slow: it picks a seed, numpy does the rest.
+        rng = np.random.default_rng(seed)
+
+        def field(*good):  # a plausible value, or now and then anything at all
+            return int(rng.integers(0, 2**32)) if rng.random() < 0.04 else int(rng.choice(good))
+
+        words = [0] * (size // 4)
+        words[4] = field(0, 1, 1, 2, 3, 5, 6)          # n_branches
+        words[5] = field(0x40, 0x40, 0x44, 0xFF8)      # branches
+        for i in range(6):
+            b = 0x10 + 4 * i
+            words[b] = field(0, 0, 1, 3)                             # backtrack
+            words[b + 1] = field(0, 0, 0x200, 0x240, 0x202, 0xFF0)   # mask
+            words[b + 2] = field(0, 1, 1, 2, 4)                      # n_ff
+            words[b + 3] = field(0x400, 0x420, 0xFFC)                # ff records
+        words[0x80:0xA0] = rng.choice([0, 0xFFFFFFFF, 1, 0x80000000], size=32).tolist()  # masks
+        for r in range(0x100, 0x100 + 2 * 16, 2):
+            words[r] = field(1, 1, 2, 3, 8, 0, 70)                   # n tokens
+            words[r + 1] = field(0x600, 0x604, 0x7F0)                # tokens
+        words[0x180:0x200] = rng.integers(0, vocab + 5, size=128).tolist()
+        result = field(0x10, 0x10, 0x10, 0x12)
+        memory = struct.pack(f"<{len(words)}I", *words)
+        decoder = ResultDecoder(vocab, max_forks=4, max_ff_tokens=64)
+        try:
+            branches = decoder.decode(_FakeInstance(memory), result)
+        except ControllerError as e:
+            assert e.kind in ("invalid_result", "limit")
+            return
+        assert len(branches) <= 4
+        assert sum(len(f) for b in branches for f in b.ff) <= 64
+        for b in branches:
+            assert all(0 <= t < vocab for f in b.ff for t in f)
+            if b.mask is not None:
+                assert b.mask.shape == ((vocab + 31) // 32,) and b.mask.any()
+                assert all(b.ff)
+                if vocab % 32:
+                    assert int(b.mask[-1]) >> (vocab % 32) == 0
+            else:
+                assert len(b.ff) <= 1 and (b.ff != [[]] or b.backtrack > 0)
+
+    check()
