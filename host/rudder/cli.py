@@ -55,23 +55,27 @@ def _read_arg(arg: str) -> str:
 
 
 def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
-    """Stream branch 0 to stdout (erasing backtracked text); forks are printed whole at the end.
-    Returns the final delta of each branch."""
-    finals, texts, forked = {}, {}, False
+    """Stream branch 0 to stdout (erasing backtracked text on a terminal); forks are printed
+    whole at the end. A controller can take text back, so into a pipe its output is written
+    once it is final. Returns the final delta of each branch."""
+    finals, texts = {}, {}
+    buffered = controller is not None and not sys.stdout.isatty()
     for delta in llm.stream(prompt, params, chat=chat, controller=controller, controller_arg=arg):
         text = texts.get(delta.branch, "")
         if delta.backtrack_chars:
             text = text[: len(text) - delta.backtrack_chars]
         texts[delta.branch] = text + delta.text
-        forked = forked or delta.branch > 0
-        if delta.branch == 0 and not forked:
+        buffered = buffered or delta.branch > 0
+        if delta.branch == 0 and not buffered:
             if delta.backtrack_chars:
                 sys.stdout.write("\b \b" * delta.backtrack_chars)
             sys.stdout.write(delta.text)
             sys.stdout.flush()
         if delta.finished:
             finals[delta.branch] = delta
-    if forked:
+    if len(texts) == 1 and buffered:
+        sys.stdout.write(texts[0] + "\n")
+    elif buffered:
         sys.stdout.write("\n")
         for branch in sorted(texts):
             reason = finals[branch].finish_reason if branch in finals else "?"

@@ -276,7 +276,7 @@ class Engine:
                 return []
             if req.live + len(branches) - 1 > self.max_forks:
                 raise InvalidBranch(f"{len(branches)} branches would exceed {self.max_forks} live sequences")
-            forks = [seq] + [self._fork(seq, req) for _ in branches[1:]]
+            forks = [seq] + [self._fork(seq, req, deltas) for _ in branches[1:]]
             samples = []
             for k, (s, branch) in enumerate(zip(forks, branches)):
                 s.ctl_branch = k if len(branches) > 1 else 0
@@ -284,10 +284,11 @@ class Engine:
                     samples.append(_Sample(s, row, branch))
             return samples
         except Exception as e:  # a controller's failure ends its own request, nothing else
-            self._fail_request(req, f"controller: {e}", deltas)
+            kind = getattr(e, "kind", None) or ("invalid_branch" if isinstance(e, InvalidBranch) else "error")
+            self._fail_request(req, f"controller {kind}: {e}", deltas)
             return []
 
-    def _fork(self, parent: Sequence, req: Request) -> Sequence:
+    def _fork(self, parent: Sequence, req: Request, deltas: list[Delta]) -> Sequence:
         child = Sequence(parent.token_ids, parent.params, parent.rng.spawn(1)[0], req.request_id, branch=len(req.seqs))
         child.num_prompt, child.num_cached = parent.num_prompt, parent.num_cached
         child.ctl_append, child.ctl_backtrack = list(parent.ctl_append), parent.ctl_backtrack
@@ -296,6 +297,7 @@ class Engine:
         req.seqs.append(child)
         req.outputs[child.seq_id] = req.outputs[parent.seq_id].fork(child.output_ids)
         self.scheduler.add_running(child)
+        deltas.append(Delta(req.request_id, child.branch, "", []))  # announces the fork before any text
         return child
 
     def _apply_branch(self, seq: Sequence, branch: Branch, deltas: list[Delta]) -> bool:

@@ -1,0 +1,117 @@
+"""Wasm controllers driving the real engine: built-in controllers end to end on SmolLM2 through
+`rudder run`, and hostile controllers failing alone while a good request is undisturbed."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from controller_wat import busy_wat, controller_wat, wasm_of
+from rudder import LLM, SamplingParams
+from rudder.cli import app
+from rudder.controller import ControllerError
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+# -- hostile controllers next to a good request (tiny model: fast) -----------------------------
+
+HOSTILE = {
+    "infinite loop": (busy_wat(), (2**31).to_bytes(4, "little"), "timeout"),
+    "trap": (controller_wat(mid="unreachable"), b"", "trap"),
+    "garbage pointer": (controller_wat(mid="(i32.const -16)"), b"", "invalid_result"),
+    "null result": (controller_wat(mid="(i32.const 0)"), b"", "invalid_result"),
+    "memory bomb": (controller_wat(mid_locals="", mid="""
+        (block $oom (loop $l (br_if $oom (i32.eq (memory.grow (i32.const 16)) (i32.const -1))) (br $l)))
+        (i32.load (i32.const 0x7fffffff))"""), b"", None),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM("tiny", kv_cache_tokens=2048, block_size=8)
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_controller_fails_alone(tiny, name):
+    wat, arg, kind = HOSTILE[name]
+    prompt = "The good request"
+    [solo] = tiny.generate([prompt], GREEDY)
+    hostile = tiny.start_controller(wasm_of(wat), arg)
+    good, bad = tiny.generate([prompt, "a hostile one"], GREEDY, controllers=[None, hostile])
+    assert good.token_ids == solo.token_ids and good.finish_reason == "length"
+    assert bad.finish_reason == "error" and bad.error.startswith(f"controller {kind or ''}")
+    assert tiny.engine.block_manager.num_free == tiny.engine.block_manager.num_blocks
+    assert not tiny.engine.has_unfinished()
+
+
+def test_a_module_that_fails_to_load_is_a_clear_error(tiny):
+    with pytest.raises(ControllerError, match="not a core WebAssembly module"):
+        tiny.start_controller(b"\0asm garbage", "")
+    with pytest.raises(ValueError, match="no such controller file"):
+        tiny.start_controller("missing.wasm", "")
+
+
+# -- built-in controllers on SmolLM2, through the CLI ------------------------------------------
+
+pytestmark_model = pytest.mark.model
+
+
+def rudder_run(*args: str) -> tuple[str, str]:
+    result = CliRunner().invoke(app, ["run", *args])
+    assert result.exit_code == 0, result.output + (result.stderr if result.stderr_bytes else "")
+    return result.stdout, result.stderr
+
+
+@pytest.mark.model
+def test_run_force_appends_exactly_the_text():
+    text = "Sure! Here is a haiku about the sea:"
+    out, _ = rudder_run("--controller", "force", "--arg", text, "--chat", "Write a haiku.")
+    assert out == text + "\n"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_run_choices_gives_one_of_the_choices(tmp_path, seed):
+    choices = ["yes", "no", "it depends on the weather"]
+    arg = tmp_path / "choices.json"
+    arg.write_text(json.dumps(choices))
+    out, _ = rudder_run("--controller", "choices", "--arg", f"@{arg}", "--chat", "--seed", str(seed),
+                        "--temperature", "1.5", "Will it rain tomorrow?")
+    assert out.rstrip("\n") in choices
+
+
+@pytest.mark.model
+def test_run_uppercase_capitalises_every_fourth_byte():
+    out, _ = rudder_run("--controller", "uppercase", "--arg", "20", "--chat", "--seed", "4", "Tell me a story.")
+    text = out.rstrip("\n").encode()
+    assert len(text) >= 8
+    assert all(65 <= text[i] <= 90 for i in range(0, len(text), 4)), text
+
+
+@pytest.mark.model
+def test_run_fork_shows_every_branch():
+    out, err = rudder_run("--controller", "fork", "--arg", "3", "--chat", "--seed", "5", "--max-tokens", "12",
+                          "--log", "Write a greeting.")
+    bodies = [part.split("---\n", 1)[1].strip() for part in out.split("--- branch ")[1:]]
+    assert len(bodies) == 3 and all(bodies)
+    assert len(set(bodies)) > 1, "forks sample independently"
+    assert "this is fork 2 of 3" in err
+
+
+@pytest.mark.model
+def test_run_backtrack_takes_the_banned_word_back():
+    prompt = "Repeat exactly, five times: the sea, the sea, the sea, the sea, the sea"
+    out, err = rudder_run("--controller", "backtrack", "--arg", " sea", "--chat", "--temperature", "0",
+                          "--max-tokens", "40", "--log", prompt)
+    assert " sea" not in out
+    assert "backtrack" in err.lower()  # the controller logged that it took the word back
+
+
+@pytest.mark.model
+def test_run_reports_a_bad_argument_without_a_traceback():
+    result = CliRunner().invoke(app, ["run", "--controller", "choices", "--arg", "not json", "hi"])
+    assert result.exit_code == 1
+    assert "error: " in result.stderr and "Traceback" not in result.output + result.stderr
+    result = CliRunner().invoke(app, ["run", "--controller", "no-such-controller", "hi"])
+    assert result.exit_code == 1 and "no-such-controller" in result.stderr
