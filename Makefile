@@ -18,8 +18,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: setup
 	$(VENV)/bin/rudder fetch-model
+	@echo "--- plain generation"
 	$(VENV)/bin/rudder generate --chat --seed 7 --max-tokens 120 \
 		"In two sentences, why do sailors use a rudder?"
+	@echo "--- a Wasm controller constrains the answer to one of three strings"
+	$(VENV)/bin/rudder run --controller choices --arg '["calm", "choppy", "stormy"]' --chat --seed 3 \
+		"One word: how is the sea in a hurricane?"
+	@echo "--- a Wasm controller forks the request into three sequences that all sample"
+	$(VENV)/bin/rudder run --controller fork --arg 3 --chat --seed 7 --max-tokens 30 \
+		"Give me a name for a boat."
 
 test: setup
 	$(PY) -m pytest -q

@@ -115,3 +115,19 @@ def test_run_reports_a_bad_argument_without_a_traceback():
     assert "error: " in result.stderr and "Traceback" not in result.output + result.stderr
     result = CliRunner().invoke(app, ["run", "--controller", "no-such-controller", "hi"])
     assert result.exit_code == 1 and "no-such-controller" in result.stderr
+
+
+def test_the_readme_controller_builds_and_does_what_it_says(tiny, tmp_path):
+    """The README's "Writing one" example, compiled with the SDK and run on the tiny model."""
+    from pathlib import Path
+
+    from rudder.controller.build import build_controller
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    source = readme.split("### Writing one", 1)[1].split("```c\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "digits.c").write_text(source)
+    wasm = build_controller([tmp_path / "digits.c"], tmp_path / "digits.wasm")
+    for seed in range(3):
+        [out] = tiny.generate(["How many?"], SamplingParams(max_tokens=20, temperature=1.0, seed=seed),
+                              controller=wasm)
+        assert out.text and out.text.isdigit() and len(out.token_ids) <= 6, out
