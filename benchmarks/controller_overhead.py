@@ -15,6 +15,11 @@ Rows:
   table is SmolLM2's (1.3 MB), else the synthetic vocabulary's.
 - fork: copy a live controller (memory + globals) into a new instance.
 - load: compile, in-memory cache hit, on-disk cache hit (a new runtime, deserialize).
+- step total: the whole host share of a sequence-step with that controller: mid_process plus
+  applying its mask to a row of logits (Sampler.apply_masks). `apply` alone is listed too.
+- with --e2e: SmolLM2 greedy decode tokens/s with the full-mask controller on every sequence vs
+  no controller (batch 1 and 4, alternating rounds): the controller runs during the forward
+  pass, so the ratio shows what is left of its cost.
 
 The machine is shared and noisy: medians over many calls, and compare within one run.
 """
@@ -36,7 +41,11 @@ sys.path.insert(0, str(ROOT / "host"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from controller_wat import controller_wat, full_mask_wat, wasm_of  # noqa: E402
+import torch  # noqa: E402
+
+from rudder import SamplingParams  # noqa: E402
 from rudder.controller import ControllerRuntime  # noqa: E402
+from rudder.engine.sampler import Sampler  # noqa: E402
 from rudder.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -75,8 +84,58 @@ def measure_overhead(tokenizer, calls: int = 20000) -> dict:
             inst.call_func(func, "rudder_mid_process", 3, ticks, 25)
 
         raw_stats = _stats(_timed(raw, calls))
+
+        sampler = Sampler(tokenizer.vocab_size)
+        logits = torch.randn(1, tokenizer.vocab_size)
+        apply = _stats(_timed(lambda: sampler.apply_masks(logits, [b.mask]), calls))
+        # A mask of random bits: no whole-word shortcut in the kernel (the worst case).
+        noise = np.random.default_rng(0).integers(0, 2**32, b.mask.shape, dtype=np.uint64).astype(np.uint32)
+        noise[-1] &= b.mask[-1]
+        apply_random = _stats(_timed(lambda: sampler.apply_masks(logits, [noise]), calls))
+
+        def whole_step():
+            [branch] = ctl.mid_process(0, 0, tokens)
+            sampler.apply_masks(logits, [branch.mask])
+
+        total = _stats(_timed(whole_step, calls))
         ctl.close()
-    return {"vocab_size": tokenizer.vocab_size, "mid_process": step, "raw_call": raw_stats}
+    return {"vocab_size": tokenizer.vocab_size, "mid_process": step, "raw_call": raw_stats, "apply": apply,
+            "apply_random": apply_random, "step_total": total}
+
+
+def measure_e2e(batches=(1, 4), tokens: int = 24, rounds: int = 7) -> list[dict]:
+    """SmolLM2 greedy decode, full-mask controller on every sequence vs none: median step time
+    over short runs that alternate, so the machine's drifts hit both alike."""
+    from rudder import LLM
+
+    llm = LLM("smollm2")
+    wasm = wasm_of(full_mask_wat())
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompts = ["The history of sailing ships", "A rudder is", "Write a poem about the sea", "Ships and boats"]
+    rows = []
+    for batch in batches:
+        def run(with_controller: bool) -> list[float]:
+            ctls = [llm.start_controller(wasm) if with_controller else None for _ in range(batch)]
+            reqs = [llm.engine.add_request(p, params, c) for p, c in zip(prompts[:batch], ctls)]
+            llm.engine.step()  # prefill, outside the timing
+            steps = []
+            while not all(r.finished for r in reqs):
+                t0 = time.perf_counter()
+                llm.engine.step()
+                steps.append(time.perf_counter() - t0)
+            for r in reqs:
+                llm.engine.release(r)
+            return steps
+
+        run(True), run(False)  # warm-up
+        plain, steered = [], []
+        for _ in range(rounds):
+            plain += run(False)
+            steered += run(True)
+        p, c = float(np.median(plain)), float(np.median(steered))
+        rows.append({"batch": batch, "plain_ms_per_step": 1e3 * p, "controller_ms_per_step": 1e3 * c,
+                     "plain_tok_s": batch / p, "controller_tok_s": batch / c, "ratio": p / c})
+    return rows
 
 
 def _table_wat() -> str:
@@ -137,6 +196,10 @@ def print_table(results: dict) -> None:
         for key, label in (("mid_process", "mid_process (call+read+validate)"), ("raw_call", "raw wasm call")):
             s = row[key]
             print(f"{label + f' V={v}':<38} {s['median_us']:>8.2f}us {s['p99_us']:>8.2f}us")
+        for key, label in (("apply", "mask apply to logits"), ("apply_random", "random-bits mask apply"),
+                           ("step_total", "step total (mid_process+apply)")):
+            s = row[key]
+            print(f"{label + f' V={v}':<38} {s['median_us']:>8.2f}us {s['p99_us']:>8.2f}us")
     st = results["start"]
     for key in ("start", "fork", "start+table", "fork+table"):
         s = st[key]
@@ -147,6 +210,9 @@ def print_table(results: dict) -> None:
     print(f"{'load: in-memory cache hit':<38} {ld['memory_hit']['median_us']:>8.1f}us {ld['memory_hit']['p99_us']:>8.1f}us")
     print(f"{'load: on-disk cache hit':<38} {ld['disk_hit']['median_us']:>8.1f}us {ld['disk_hit']['p99_us']:>8.1f}us")
     print(f"(pooling allocator: {st['pooling']})")
+    for row in results.get("e2e", []):
+        print(f"{'decode B=' + str(row['batch']) + ' full-mask ctl vs none':<38} "
+              f"{row['controller_tok_s']:>7.1f} vs {row['plain_tok_s']:.1f} tok/s = {row['ratio']:.3f}x")
 
 
 def main(argv=None) -> dict:
@@ -154,6 +220,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--calls", type=int, default=20000, help="mid_process calls per measurement")
     ap.add_argument("--smollm2", action="store_true", help="start rows with SmolLM2's tokenizer "
                     "(needs the model in $RUDDER_HOME); else a synthetic 49152-token vocabulary")
+    ap.add_argument("--e2e", action="store_true", help="also time SmolLM2 decode with and without a controller")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -171,6 +238,8 @@ def main(argv=None) -> dict:
         "start": measure_start(start_tok),
         "load": measure_load(start_tok),
     }
+    if args.e2e:
+        results["e2e"] = measure_e2e()
     print_table(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

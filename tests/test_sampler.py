@@ -112,3 +112,31 @@ def test_empty_mask_and_bad_mask():
     assert out.tokens == [-1]
     with pytest.raises(ValueError, match="32 uint32 words"):
         sampler.sample(logits.clone(), [SamplingParams()], rngs([0]), [np.zeros(5, np.uint32)])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([31, 32, 33, 1000, 49152]))
+def test_native_mask_kernel_equals_the_numpy_path(seed, vocab):
+    from rudder import native
+
+    assert native.mask_kernel() is not None, native.unavailable_reason  # zig is a dependency: it must build
+    gen = np.random.default_rng(seed)
+    words = gen.integers(0, 2**32, (vocab + 31) // 32, dtype=np.uint64).astype(np.uint32)
+    words[gen.random(words.shape) < 0.3] = 0  # whole-word shortcuts too
+    words[gen.random(words.shape) < 0.3] = 0xFFFFFFFF
+    words[-1] &= np.uint32((1 << (vocab % 32)) - 1) if vocab % 32 else np.uint32(0xFFFFFFFF)
+    logits = torch.from_numpy(gen.normal(0, 1, (3, vocab)).astype(np.float32))
+    masks = [words, None, words[::-1].copy()]
+    fast = logits.clone()
+    Sampler(vocab).apply_masks(fast, masks)
+    slow = logits.clone()
+    kernel = native.mask_kernel
+    native.mask_kernel = lambda: None
+    try:
+        Sampler(vocab).apply_masks(slow, masks)
+    finally:
+        native.mask_kernel = kernel
+    assert torch.equal(fast, slow)
+    allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+    assert torch.isneginf(fast[0]).numpy().tolist() == (~allowed).tolist()
+    assert torch.equal(fast[1], logits[1])

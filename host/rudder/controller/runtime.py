@@ -39,9 +39,9 @@ from .token_table import token_table_for
 __all__ = ["ControllerRuntime"]
 
 # The epoch tick. Deadlines are ceil(ms / tick) + 1 ticks, so a 25 ms deadline fires between
-# 26 and 28 ms: 2 ms keeps that slack within ~10% of the step budget. Each tick is a Python
-# wake-up (~2% of one core at 500/s, measured here, and only while a controller instance
-# exists); a 0.2 ms tick would cost 10x that for slack nobody needs.
+# 26 and 28 ms: 2 ms keeps that slack within ~10% of the step budget. The native ticker costs a
+# few microseconds a tick; the Python fallback is a GIL-taking wake-up (~2% of one core at
+# 500/s, measured here, and only while a controller instance exists).
 TICK_MS = 2.0
 MAX_MODULE_BYTES = 64 << 20  # compile time grows with size; no real controller is near this
 # Deterministic init failures are remembered so a broken module fails fast on every request;
@@ -176,6 +176,63 @@ class _Ticker:
             increment(ptr)
 
 
+class _NativeTicker:
+    """The same duty from a native thread (rudder.native): no GIL, so the model's forward pass
+    does not feel it. It starts with the first store and runs until the runtime is closed (or
+    orphaned with no store left); a tick costs a few microseconds of one core."""
+
+    def __init__(self, engine, engine_ptr, period_s: float):
+        self._engine = engine  # the engine must outlive the thread
+        self._engine_ptr = engine_ptr
+        self._period = period_s
+        self._lock = threading.Lock()
+        self._live = 0
+        self._orphaned = False
+        self._thread = None  # a rudder.native.NativeTicker while ticking
+
+    def store_opened(self) -> None:
+        with self._lock:
+            self._live += 1
+            if self._thread is None:
+                from .. import native
+
+                increment = int(ffi.cast("uintptr_t", lib.wasmtime_engine_increment_epoch))
+                self._thread = native.NativeTicker(self._engine_ptr, increment, self._period)
+
+    def store_closed(self) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._live == 0 and self._orphaned:
+                self._stop_locked()
+
+    def orphan(self) -> None:
+        with self._lock:
+            self._orphaned = True
+            if self._live <= 0:
+                self._stop_locked()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop_locked()
+
+    def join(self, timeout: float) -> None:
+        pass  # stop() already waited for the thread
+
+    def _stop_locked(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+
+def _make_ticker(engine, engine_ptr, period_s: float):
+    """The native ticker when the native library builds, else the Python one."""
+    from .. import native
+
+    if native.library() is not None:
+        return _NativeTicker(engine, engine_ptr, period_s)
+    return _Ticker(engine, engine_ptr, period_s)
+
+
 class ControllerRuntime:
     """Loads controller modules and starts controllers for requests.
 
@@ -208,7 +265,7 @@ class ControllerRuntime:
         if cache_dir is None:
             cache_dir = default_cache_dir()
         self.cache = ModuleCache(engine, fp, cache_dir or None)
-        self._ticker = _Ticker(engine, self._shared.engine_ptr, tick_ms / 1000)
+        self._ticker = _make_ticker(engine, self._shared.engine_ptr, tick_ms / 1000)
         self._shared.ticker = self._ticker
         # A runtime dropped without close() lets its ticker end with its last store.
         self._finalizer = weakref.finalize(self, self._ticker.orphan)

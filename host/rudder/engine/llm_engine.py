@@ -14,7 +14,7 @@ The Branch semantics (stale logits after a backtrack, forks, ff lists) are those
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -158,12 +158,15 @@ class _Sample:
     branch: Branch | None
 
 
-def _outcome(call):
-    """A finished call's result, or the exception it raised."""
-    try:
-        return call.result()
-    except Exception as e:
-        return e
+def _run_calls(calls) -> list:
+    """Run mid_process calls in order; each answer is a Branch list or the exception raised."""
+    answers = []
+    for seq_id, controller, branch_idx, backtrack, tokens in calls:
+        try:
+            answers.append((seq_id, controller.mid_process(branch_idx, backtrack, tokens)))
+        except Exception as e:
+            answers.append((seq_id, e))
+    return answers
 
 
 class Engine:
@@ -178,7 +181,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_seqs)
         self.sampler = Sampler(model.cfg.vocab_size)
         self.max_forks = max_forks
-        self.pool = ThreadPoolExecutor(max_workers=controller_threads, thread_name_prefix="rudder-controller")
+        self.controller_threads = controller_threads
+        self.pool = (ThreadPoolExecutor(max_workers=controller_threads, thread_name_prefix="rudder-controller")
+                     if controller_threads > 0 else None)
         self.requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
 
@@ -237,12 +242,11 @@ class Engine:
         self.runner.copy_blocks(self.block_manager.take_copies())
 
         ready = [e.seq for e in batch if e.sample]
-        calls = {seq.seq_id: self._start_controller(seq) for seq in ready
-                 if seq.controller is not None and seq.deferred is None}
+        tasks = self._start_controllers([s for s in ready if s.controller is not None and s.deferred is None])
         logits = self.runner.run(batch)  # the controllers run meanwhile
         for entry in batch:
             entry.seq.num_cached += entry.num_tokens
-        answers = {seq_id: _outcome(call) for seq_id, call in calls.items()}  # all done before any is closed
+        answers = {seq_id: answer for task in tasks for seq_id, answer in task.result()}  # all done before any is closed
 
         samples: list[_Sample] = []
         for row, seq in enumerate(ready):
@@ -259,10 +263,20 @@ class Engine:
             deltas.extend(self._sample(logits, samples))
         return deltas
 
-    def _start_controller(self, seq: Sequence):
-        tokens, seq.ctl_append = seq.ctl_append, []
-        backtrack, seq.ctl_backtrack = seq.ctl_backtrack, 0
-        return self.pool.submit(seq.controller.mid_process, seq.ctl_branch, backtrack, tokens)
+    def _start_controllers(self, seqs: list[Sequence]) -> list:
+        """Submit this step's mid_process calls, one pool task per worker thread (not per
+        sequence): on a CPU host every thread wake-up competes with torch's own threads."""
+        calls = []
+        for seq in seqs:
+            tokens, seq.ctl_append = seq.ctl_append, []
+            backtrack, seq.ctl_backtrack = seq.ctl_backtrack, 0
+            calls.append((seq.seq_id, seq.controller, seq.ctl_branch, backtrack, tokens))
+        if self.pool is None:  # controller_threads=0: run them here, before the forward pass
+            done = Future()
+            done.set_result(_run_calls(calls))
+            return [done]
+        n = min(self.controller_threads, len(calls))
+        return [self.pool.submit(_run_calls, calls[i::n]) for i in range(n)]
 
     def _take_branches(self, seq: Sequence, row: int, answer, deltas: list[Delta]) -> list[_Sample]:
         """Apply a controller's answer; returns the rows that sample now."""

@@ -1,9 +1,10 @@
 """Batched sampling over `[rows, vocab]` logits, under optional per-row allowed-token bitmasks.
 
-A mask is uint32 words: token i is allowed when bit (i & 31) of word (i >> 5) is set. It is
-expanded byte by byte through a 256-entry table into a penalty row (0 or -inf per token) kept
-across steps (`np.take(..., out=)`), then added to the logits in place: no Python loop over the
-vocabulary and no vocab-sized allocation per step.
+A mask is uint32 words: token i is allowed when bit (i & 31) of word (i >> 5) is set. On the
+CPU a small native kernel (`rudder/native/mask.c`) applies it to each row in one pass. Without
+it, the mask is expanded byte by byte through a 256-entry table into a penalty row (0 or -inf
+per token) kept across steps, then added to the logits in place. Either way: no Python loop over
+the vocabulary and no vocab-sized allocation per step.
 
 Randomness: every sequence owns a `numpy.random.Generator`; a sampled token consumes exactly
 one uniform draw from it (inverse-CDF sampling), so a seeded request gives the same tokens
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import native
 from .sequence import SamplingParams
 
 assert sys.byteorder == "little", "mask words are read as little-endian bytes"
@@ -74,12 +76,20 @@ class Sampler:
         rows = [i for i, m in enumerate(masks) if m is not None]
         if not rows:
             return
-        buf = self._penalty_rows(len(rows))
-        for j, i in enumerate(rows):
+        for i in rows:
             words = masks[i]
             if words.dtype != np.uint32 or words.shape != (self.num_words,):
                 raise ValueError(f"sample mask must be {self.num_words} uint32 words, got {words.dtype} {words.shape}")
-            np.take(_PENALTY, words.view(np.uint8), axis=0, out=buf[j].reshape(-1, 8), mode="clip")
+        kernel = native.mask_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        if kernel is not None and logits.stride(1) == 1:
+            base, row_stride, width = logits.data_ptr(), logits.stride(0) * 4, logits.shape[1]
+            for i in rows:
+                kernel(native.ffi.cast("float *", base + i * row_stride), native.ffi.from_buffer("uint32_t[]", masks[i]),
+                       width)
+            return
+        buf = self._penalty_rows(len(rows))
+        for j, i in enumerate(rows):
+            np.take(_PENALTY, masks[i].view(np.uint8), axis=0, out=buf[j].reshape(-1, 8), mode="clip")
         penalty = buf[: len(rows), : logits.shape[1]]
         if len(rows) == logits.shape[0] and logits.device.type == "cpu" and logits.is_contiguous():
             np.add(logits.numpy(), penalty, out=logits.numpy())

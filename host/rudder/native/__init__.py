@@ -1,0 +1,104 @@
+"""Native code for the per-token path - the mask kernel and the sandbox's epoch ticker -
+compiled once per machine with zig cc (the `ziglang` package, which also builds controllers)
+and called through cffi.
+
+`mask_kernel()` returns the kernel, or None when it cannot be built (no zig, an odd platform;
+the reason is in `unavailable_reason`): callers then use their numpy path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import cffi
+
+SOURCES = [Path(__file__).with_name(name) for name in ("mask.c", "ticker.c")]
+_CDEF = """
+void rudder_apply_mask(float *logits, const uint32_t *words, size_t n_tokens);
+typedef struct rudder_ticker rudder_ticker;
+rudder_ticker *rudder_ticker_start(void *engine, void *increment, long period_ns);
+void rudder_ticker_stop(rudder_ticker *t);
+"""
+
+ffi = cffi.FFI()
+ffi.cdef(_CDEF)
+unavailable_reason: str | None = None
+
+
+def _cpu_fingerprint() -> str:
+    """The kernel is built for this CPU (-mcpu=native): key the cache by what the CPU offers."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(f"{platform.machine()}|{platform.system()}|{flags}".encode()).hexdigest()[:12]
+
+
+def _build() -> Path:
+    from ..model_files import rudder_home
+
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + _cpu_fingerprint().encode()).hexdigest()[:16]
+    suffix = ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
+    out = rudder_home() / "native" / f"rudder-native-{key}{suffix}"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, ZIG_GLOBAL_CACHE_DIR=str(rudder_home() / "zig-cache"),
+               ZIG_LOCAL_CACHE_DIR=str(rudder_home() / "zig-cache"))
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [sys.executable, "-m", "ziglang", "cc", "-O3", "-mcpu=native", "-shared", "-fPIC",
+               *map(str, SOURCES), "-lpthread", "-o", str(tmp_out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "zig cc failed")
+        os.replace(tmp_out, out)
+    return out
+
+
+@functools.cache
+def library():
+    """The native library (built on first use), or None."""
+    global unavailable_reason
+    if os.environ.get("RUDDER_NO_NATIVE"):
+        unavailable_reason = "disabled by RUDDER_NO_NATIVE"
+        return None
+    try:
+        return ffi.dlopen(str(_build()))
+    except Exception as e:  # any failure: the pure-Python paths still work
+        unavailable_reason = f"native library unavailable: {e}"
+        return None
+
+
+def mask_kernel():
+    """`rudder_apply_mask(float *logits, const uint32_t *words, size_t n)`, or None."""
+    lib = library()
+    return None if lib is None else lib.rudder_apply_mask
+
+
+class NativeTicker:
+    """Advances a wasmtime engine's epoch every `period_s` from a native thread (no GIL)."""
+
+    def __init__(self, engine_ptr: int, increment_fn_ptr: int, period_s: float):
+        lib = library()
+        if lib is None:
+            raise RuntimeError(unavailable_reason)
+        handle = lib.rudder_ticker_start(ffi.cast("void *", engine_ptr), ffi.cast("void *", increment_fn_ptr),
+                                         int(period_s * 1e9))
+        if handle == ffi.NULL:
+            raise RuntimeError("could not start the native ticker thread")
+        self._lib, self._handle = lib, handle
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._lib.rudder_ticker_stop(self._handle)
+            self._handle = None
