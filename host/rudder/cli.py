@@ -28,6 +28,14 @@ SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
 STOP = typer.Option([], "--stop", help="Stop when this text appears (repeatable).")
 MODEL = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP)
 DEVICE = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda.")
+PIPELINE = typer.Option(1, "--pipeline-stages", min=1,
+                        help="Split the model's layers over N processes (torch.distributed; see docs/pipeline.md).")
+
+
+def _llm(model: str, device: str, pipeline_stages: int):
+    from .llm import LLM
+
+    return LLM(model, device=device, pipeline_stages=pipeline_stages if pipeline_stages > 1 else None)
 
 
 def _fail(message: str) -> None:
@@ -39,9 +47,10 @@ def _user_errors():
     """Exceptions that are the user's input, reported in one line (never a traceback)."""
     from .controller import ControllerError
     from .controller.build import BuildError
+    from .engine import RunnerFailure
     from .errors import ModelFetchError
 
-    return (ValueError, OSError, ModelFetchError, ControllerError, BuildError)
+    return (ValueError, OSError, ModelFetchError, ControllerError, BuildError, RunnerFailure)
 
 
 def _read_arg(arg: str) -> str:
@@ -95,18 +104,21 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
 @app.command()
 def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
              top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
-             model: str = MODEL, device: str = DEVICE) -> None:
+             model: str = MODEL, device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
     """Generate text for PROMPT, streamed to standard output."""
-    from .llm import LLM
-
     prompt = sys.stdin.read() if prompt == "-" else prompt
+    llm = None
     try:
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
-        finals = _stream(LLM(model, device=device), prompt, params, chat)
+        llm = _llm(model, device, pipeline_stages)
+        finals = _stream(llm, prompt, params, chat)
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
     except _user_errors() as e:
         _fail(str(e))
+    finally:
+        if llm is not None:
+            llm.close()
     errors = [d.error for d in finals if d.finish_reason == "error"]
     if errors:
         _fail(errors[0] or "generation failed")
@@ -119,14 +131,13 @@ def run(prompt: str = PROMPT,
         log: bool = typer.Option(False, "--log", help="Print the controller's log to standard error."),
         chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
         top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
-        device: str = DEVICE) -> None:
+        device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
-    from .llm import LLM
-
     prompt = sys.stdin.read() if prompt == "-" else prompt
+    llm = None
     try:
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
-        llm = LLM(model, device=device)
+        llm = _llm(model, device, pipeline_stages)
         ctl = llm.start_controller(controller, _read_arg(arg))
         log_text = ctl.log_text
         finals = _stream(llm, prompt, params, chat, ctl)
@@ -134,6 +145,9 @@ def run(prompt: str = PROMPT,
         raise typer.Exit(code=130)
     except _user_errors() as e:
         _fail(str(e))
+    finally:
+        if llm is not None:
+            llm.close()
     if log:
         sys.stderr.write(log_text())
     errors = [d.error for d in finals if d.finish_reason == "error"]

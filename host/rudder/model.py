@@ -133,8 +133,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, decoder layers and the LM head. `layers` may be a contiguous slice of the
-    full stack (a pipeline stage); `first_layer` keeps the KV cache indexing global."""
+    """Embeddings, decoder layers and the LM head (a pipeline stage builds its own slice:
+    rudder.pipeline.stage_model)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

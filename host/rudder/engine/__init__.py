@@ -1,9 +1,9 @@
 """The serving engine: sequences, paged KV bookkeeping, scheduler, model runner, sampler, loop."""
 
 from .block_manager import BlockManager, KVCacheFull
-from .llm_engine import Completion, Delta, Engine, Request
+from .llm_engine import Completion, Delta, Engine, Request, RunnerFailure
 from .sampler import Sampler
 from .sequence import SamplingParams, Sequence
 
-__all__ = ["BlockManager", "KVCacheFull", "Completion", "Delta", "Engine", "Request", "Sampler",
+__all__ = ["BlockManager", "KVCacheFull", "Completion", "Delta", "Engine", "Request", "RunnerFailure", "Sampler",
            "SamplingParams", "Sequence"]

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from ..branch import Branch
 from .block_manager import BlockManager
@@ -40,6 +39,11 @@ class Controller(Protocol):
     def fork(self) -> "Controller": ...
 
     def close(self) -> None: ...
+
+
+class RunnerFailure(RuntimeError):
+    """The model runner itself failed (a pipeline stage died or timed out): every request in
+    flight ends with this error, and the engine takes no more requests."""
 
 
 class InvalidBranch(ValueError):
@@ -158,6 +162,17 @@ class _Sample:
     branch: Branch | None
 
 
+@dataclass
+class _InFlight:
+    """A launched step: its batch, the sequences that sample, their controller tasks, and the
+    runner's logits (or, in a pipeline, its handle on them)."""
+
+    batch: list
+    ready: list[Sequence]
+    tasks: list
+    logits: object
+
+
 def _run_calls(calls) -> list:
     """Run mid_process calls in order; each answer is a Branch list or the exception raised."""
     answers = []
@@ -171,15 +186,19 @@ def _run_calls(calls) -> list:
 
 class Engine:
     def __init__(self, model, tokenizer: "Tokenizer", *, kv_cache_tokens: int = 16384, block_size: int = 16,
-                 max_batch_tokens: int = 512, max_seqs: int = 64, max_forks: int = 16, controller_threads: int = 2):
+                 max_batch_tokens: int = 512, max_seqs: int = 64, max_forks: int = 16, controller_threads: int = 2,
+                 runner_factory=None):
+        """`runner_factory(num_blocks, block_size)` builds the model runner (default: a local
+        ModelRunner; `rudder.pipeline.PipelineRunner` shards the model over processes)."""
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = model.cfg
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = (runner_factory or (lambda n, b: ModelRunner(model, n, b)))(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_seqs)
-        self.sampler = Sampler(model.cfg.vocab_size)
+        self.sampler: Sampler | None = getattr(self.runner, "sampler", None)
+        self.failure: str | None = None  # set when the runner failed for good
         self.max_forks = max_forks
         self.controller_threads = controller_threads
         self.pool = (ThreadPoolExecutor(max_workers=controller_threads, thread_name_prefix="rudder-controller")
@@ -194,6 +213,8 @@ class Engine:
         """Queue a request. The engine owns `controller` from here on (it is closed even if the
         request is refused)."""
         try:
+            if self.failure is not None:
+                raise RunnerFailure(self.failure)
             params = (params or SamplingParams()).validate()
             prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if not prompt_ids:
@@ -235,21 +256,40 @@ class Engine:
     def step(self) -> list[Delta]:
         deltas: list[Delta] = []
         batch, unfit = self.scheduler.schedule()
-        for seq in unfit:
-            deltas.append(self._finish_delta(seq, "error", f"the sequence ({len(seq)} tokens) does not fit in the KV cache"))
+        self._fail_unfit(unfit, deltas)
         if not batch:
             return deltas
-        self.runner.copy_blocks(self.block_manager.take_copies())
+        flight = self._launch(batch, deltas)
+        if flight is not None:
+            self._complete(flight, deltas)
+        return deltas
 
+    def _fail_unfit(self, unfit: list[Sequence], deltas: list[Delta]) -> None:
+        for seq in unfit:
+            deltas.append(self._finish_delta(seq, "error", f"the sequence ({len(seq)} tokens) does not fit in the KV cache"))
+
+    def _launch(self, batch: list, deltas: list[Delta]) -> "_InFlight | None":
+        """Start the step: controllers in their threads, the forward pass here."""
+        self.runner.copy_blocks(self.block_manager.take_copies())
         ready = [e.seq for e in batch if e.sample]
         tasks = self._start_controllers([s for s in ready if s.controller is not None and s.deferred is None])
-        logits = self.runner.run(batch)  # the controllers run meanwhile
-        for entry in batch:
+        try:
+            logits = self.runner.run(batch)  # the controllers run meanwhile
+        except RunnerFailure as e:
+            for task in tasks:
+                task.result()
+            deltas.extend(self._fail_all(str(e)))
+            return None
+        return _InFlight(batch, ready, tasks, logits)
+
+    def _complete(self, flight: "_InFlight", deltas: list[Delta]) -> None:
+        """Join the controllers, apply their Branch records, sample, append."""
+        for entry in flight.batch:
             entry.seq.num_cached += entry.num_tokens
-        answers = {seq_id: answer for task in tasks for seq_id, answer in task.result()}  # all done before any is closed
+        answers = {seq_id: answer for task in flight.tasks for seq_id, answer in task.result()}  # all done before any is closed
 
         samples: list[_Sample] = []
-        for row, seq in enumerate(ready):
+        for row, seq in enumerate(flight.ready):
             if seq.finished:  # its request failed earlier in this loop
                 continue
             if seq.controller is None:
@@ -259,9 +299,27 @@ class Engine:
                 samples.append(_Sample(seq, row, branch))
             else:
                 samples.extend(self._take_branches(seq, row, answers[seq.seq_id], deltas))
-        if samples:
-            deltas.extend(self._sample(logits, samples))
+        try:
+            if samples:
+                deltas.extend(self._sample(flight.logits, samples))
+            elif flight.ready:
+                self.runner.skip(flight.logits)
+        except RunnerFailure as e:
+            deltas.extend(self._fail_all(str(e)))
+
+    def _fail_all(self, message: str) -> list[Delta]:
+        """The runner is gone: every unfinished request ends with `message`."""
+        self.failure = message
+        deltas: list[Delta] = []
+        for req in list(self.requests.values()):
+            self._fail_request(req, message, deltas)
         return deltas
+
+    def close(self) -> None:
+        """Release the runner (stops pipeline stages); the engine takes no more requests."""
+        if self.failure is None:
+            self.failure = "the engine is closed"
+        self.runner.close()
 
     def _start_controllers(self, seqs: list[Sequence]) -> list:
         """Submit this step's mid_process calls, one pool task per worker thread (not per
@@ -352,11 +410,9 @@ class Engine:
         deltas.append(Delta(seq.request_id, seq.branch, "", [], backtrack_chars=chars, backtrack_tokens=n))
 
     def _sample(self, logits, samples: list[_Sample]) -> list[Delta]:
-        rows = [s.row for s in samples]
-        if rows != list(range(logits.shape[0])):  # forks share a row; some rows do not sample
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         masks = [s.branch.mask if s.branch is not None else None for s in samples]
-        out = self.sampler.sample(logits, [s.seq.params for s in samples], [s.seq.rng for s in samples], masks)
+        out = self.runner.sample(logits, [s.row for s in samples], [s.seq.params for s in samples],
+                                 [s.seq.rng for s in samples], masks)
         deltas = []
         for s, token, logprob in zip(samples, out.tokens, out.logprobs):
             seq = s.seq

@@ -45,16 +45,23 @@ class Scheduler:
         if seq.seq_id in self.bm.tables:
             self.bm.free(seq.seq_id)
 
-    def schedule(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
-        """Plan one step. Returns the batch and the sequences that cannot ever fit (to fail)."""
+    def schedule(self, busy: frozenset | set = frozenset(), limit: int | None = None
+                 ) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """Plan one step. Returns the batch and the sequences that cannot ever fit (to fail).
+
+        `busy`: ids of sequences already in a step in flight (pipeline micro-batches): they are
+        neither scheduled nor preempted. `limit`: the most sequences in the batch."""
+        limit = len(self.running) + len(self.waiting) if limit is None else limit
         batch: list[ScheduledSeq] = []
         unfit: list[Sequence] = []
         budget = self.max_batch_tokens
         capacity = self.bm.num_blocks * self.bm.block_size
 
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below to make room for an earlier one
+            if seq not in self.running or seq.seq_id in busy:  # preempted below, or in flight
                 continue
+            if len(batch) >= limit:
+                break
             n = min(seq.num_pending, budget)
             if n <= 0:
                 continue
@@ -66,7 +73,8 @@ class Scheduler:
                     slots = self.bm.append(seq.seq_id, n)
                     break
                 except KVCacheFull:
-                    victim = self.running[-1]
+                    victims = [s for s in self.running if s.seq_id not in busy]
+                    victim = victims[-1]  # never empty: seq itself is a candidate
                     budget += self._preempt(victim, batch)
                     if victim is seq:
                         slots = None
@@ -76,7 +84,7 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n, slots, self.bm.tables[seq.seq_id], n == seq.num_pending))
             budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and len(batch) < limit:
             seq = self.waiting[0]
             if len(seq) > capacity:
                 self.waiting.popleft()

@@ -1,0 +1,119 @@
+"""Single process vs a 2-stage pipeline, at equal total cores, on SmolLM2 (or --model).
+
+    .venv/bin/python benchmarks/pipeline.py [--batches 1 4 8] [--micro-batches 1 2 4] [--stages 2]
+                                            [--decode-tokens 32] [--json benchmarks/results/pipeline.json]
+
+Single process: one process with all the cores' torch threads. Pipeline: S processes with
+cores/S threads each (rank 0 is also the coordinator). Decode only (the prefill is done first and
+not timed): B greedy sequences, EOS ignored; tokens/s counts all sequences; ms/step is the median
+time of one engine step for B = 1 (the per-token latency a single request sees). The bubble is
+measured as 1 - (mean over stages of the time spent computing / the decode wall time), next to
+the GPipe formula (S-1)/(S-1+M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
+
+from rudder import LLM, SamplingParams  # noqa: E402
+
+TEXT = ("The history of navigation is the story of people learning to read the sea and the sky. "
+        "Early sailors steered by the sun, the stars and the shape of the coast. ") * 10
+
+
+def decode(llm: LLM, batch: int, prompt_tokens: int, decode_tokens: int) -> dict:
+    engine = llm.engine
+    ids = llm.tokenizer.encode(TEXT)
+    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(ids[i * 5: i * 5 + prompt_tokens], params) for i in range(batch)]
+    while not all(r.seqs[0].num_output >= 1 for r in reqs):  # prefill, untimed
+        engine.step()
+    runner = engine.runner
+    busy0 = getattr(runner, "busy_s", 0.0)
+    steps, tokens = [], 0
+    start = time.perf_counter()
+    while not all(r.finished for r in reqs):
+        t0 = time.perf_counter()
+        tokens += sum(len(d.token_ids) for d in engine.step())
+        steps.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    for r in reqs:
+        engine.release(r)
+    return {"tok_s": tokens / wall, "ms_per_step": 1000 * statistics.median(steps), "wall_s": wall,
+            "rank0_busy_s": getattr(runner, "busy_s", 0.0) - busy0}
+
+
+def run_single(model: str, batch: int, args) -> dict:
+    torch.set_num_threads(args.cores)
+    llm = LLM(model, kv_cache_tokens=batch * (args.prompt_tokens + args.decode_tokens + 64), max_seqs=batch)
+    decode(llm, batch, args.prompt_tokens, 4)  # warm up
+    return decode(llm, batch, args.prompt_tokens, args.decode_tokens)
+
+
+def run_pipeline(model: str, batch: int, stages: int, micro: int, args) -> dict:
+    llm = LLM(model, pipeline_stages=stages, pipeline_micro_batches=micro, pipeline_threads=args.cores // stages,
+              kv_cache_tokens=batch * (args.prompt_tokens + args.decode_tokens + 64), max_seqs=batch)
+    runner = llm.engine.runner
+    try:
+        decode(llm, batch, args.prompt_tokens, 4)  # warm up
+        # The stages' busy times cover everything from their first step: measure from a fresh
+        # pipeline would cost a start-up per row, so take the decode window's share instead.
+        out = decode(llm, batch, args.prompt_tokens, args.decode_tokens)
+    finally:
+        llm.close()
+    # Stage busy fractions: rank 0 from the decode window; the others over their whole life,
+    # which the timed decode dominates (prefill and warm-up are short next to it).
+    fractions = [out["rank0_busy_s"] / out["wall_s"]]
+    fractions += [s["busy_s"] / s["wall_s"] for _, s in sorted(runner.stats.items())]
+    out["stage_busy"] = fractions
+    out["bubble"] = 1 - statistics.mean(fractions)
+    out["bubble_formula"] = (stages - 1) / (stages - 1 + micro)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = []
+    print(f"{args.model}, {args.cores} cores; single process: {args.cores} threads; "
+          f"{args.stages} stages: {args.cores // args.stages} thread(s) each")
+    print(f"{'batch':>5} {'mode':>16} {'tok/s':>8} {'vs single':>9} {'ms/step':>8} {'bubble':>7} {'formula':>7}  stage busy")
+    for batch in args.batches:
+        single = run_single(args.model, batch, args)
+        rows.append({"batch": batch, "mode": "single", **single})
+        print(f"{batch:>5} {'single':>16} {single['tok_s']:>8.1f} {1.0:>9.2f} {single['ms_per_step']:>8.1f}")
+        for micro in args.micro_batches:
+            if micro > batch:
+                continue
+            r = run_pipeline(args.model, batch, args.stages, micro, args)
+            rows.append({"batch": batch, "mode": f"{args.stages} stages M={micro}", **r})
+            print(f"{batch:>5} {f'{args.stages} stages M={micro}':>16} {r['tok_s']:>8.1f} "
+                  f"{r['tok_s'] / single['tok_s']:>9.2f} {r['ms_per_step']:>8.1f} {r['bubble']:>7.2f} "
+                  f"{r['bubble_formula']:>7.2f}  {' '.join(f'{f:.2f}' for f in r['stage_busy'])}")
+    torch.set_num_threads(args.cores)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": args.model, "cores": args.cores, "stages": args.stages,
+                                         "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""The coordinator's side of a pipeline: `PipelineRunner` plays ModelRunner's role in the engine.
+
+Rank 0 is both the coordinator (scheduler, block manager, controllers, every Branch decision)
+and stage 0 (the embeddings and the first layers). `run(batch)` sends the step plan to every
+other stage, computes stage 0 and passes the activations on; `sample(...)` sends the last stage
+what to sample (rows, params, packed masks, the uniforms drawn here from each sequence's own
+Generator) and receives one int32 per token. See docs/pipeline.md."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+
+import numpy as np
+import torch
+
+from ..engine.llm_engine import RunnerFailure
+from ..engine.model_runner import ScheduledSeq, StepArrays
+from ..engine.sampler import SampleOutput
+from .partition import StageSpec, partition
+from .stage import HEADER, OP_STOP, SPEC_COLS, encode_plan, serve_stage
+from .stage_model import StageModel, build_stage_model, load_config_for
+from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, process_group, torchrun_env
+
+
+class PipelineError(RunnerFailure):
+    """A stage died, timed out or failed: the requests in flight fail with this message."""
+
+
+class _Step:
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self.open = num_rows > 0  # the last stage waits for a sampling spec
+
+
+class PipelineRunner:
+    def __init__(self, model: StageModel, num_blocks: int, block_size: int, link: Link,
+                 children: list[subprocess.Popen] | None = None, threads_before: int | None = None):
+        cfg = model.cfg
+        self.model = model
+        self.link = link
+        self.block_size = block_size
+        self.num_stages = model.stage.num_stages
+        self.last = self.num_stages - 1
+        self.num_words = (cfg.vocab_size + 31) // 32
+        self.kv_cache = torch.zeros(model.stage.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=torch.float32)
+        self.children = children or []
+        self._copies: list[tuple[int, int]] = []
+        self._open: deque[_Step] = deque()  # steps whose last stage waits for a sampling spec
+        self.busy_s = 0.0  # time rank 0 spent computing stage 0 (for the bubble measurement)
+        self.stats: dict[int, dict] = {}  # per-stage busy/wall seconds, filled in by close()
+        self._steps = 0
+        self._threads_before = threads_before
+        self.failure: str | None = None
+        self.closed = False
+        self._stop_watch = threading.Event()
+        if self.children:
+            threading.Thread(target=self._watch, daemon=True, name="rudder-pipeline-watchdog").start()
+        atexit.register(_close_ref, weakref.ref(self))
+
+    # -- the engine's runner interface ----------------------------------------------------------
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self._copies.extend(copies)
+
+    def run(self, batch: list[ScheduledSeq]) -> _Step:
+        self._check()
+        arrays = StepArrays.of(batch)
+        copies, self._copies = self._copies, []
+        step = _Step(len(arrays.sample_rows))
+        try:
+            self.link.prune()
+            header, payload = encode_plan(arrays, copies, self._steps)
+            for rank in range(1, self.num_stages):
+                self.link.send(header, rank, PLAN)
+                self.link.send(payload, rank, PLAN)
+            self._steps += 1
+            started = time.perf_counter()
+            with torch.inference_mode():
+                for src, dst in copies:
+                    self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+                input_ids, positions, meta, _ = arrays.tensors(self.block_size, self.kv_cache.device)
+                hidden = self.model(input_ids, positions, meta, self.kv_cache)
+            self.busy_s += time.perf_counter() - started
+            self.link.send(hidden, 1, ACT)
+        except LinkError as e:
+            self._fail(e)
+        if step.open:
+            self._open.append(step)
+        return step
+
+    def sample(self, step: _Step, rows: list[int], params: list, rngs: list, masks: list) -> SampleOutput:
+        self._check()
+        n = len(rows)
+        spec = np.zeros((n, SPEC_COLS), dtype=np.float64)
+        packed = []
+        for j, (row, p, rng, mask) in enumerate(zip(rows, params, rngs, masks)):
+            if mask is not None:
+                if mask.dtype != np.uint32 or mask.shape != (self.num_words,):
+                    raise ValueError(f"sample mask must be {self.num_words} uint32 words, got {mask.dtype} {mask.shape}")
+                packed.append(mask)
+            # One uniform per sampled (temperature > 0) row, drawn exactly as Sampler._sample_rows does.
+            u = rng.random() if p.temperature > 0 else 0.0
+            spec[j] = (row, p.top_k, -1 if p.logprobs is None else p.logprobs, len(packed) - 1 if mask is not None else -1,
+                       p.temperature, p.top_p, u)
+        self._settle(step)
+        try:
+            self.link.send(torch.tensor([n, len(packed)], dtype=torch.int64), self.last, SPEC)
+            self.link.send(torch.from_numpy(spec), self.last, SPEC)
+            if packed:
+                self.link.send(torch.from_numpy(np.stack(packed).view(np.int32)), self.last, SPEC)
+            tokens = self.link.recv(n, torch.int32, self.last, TOKENS).tolist()
+            want = [p.logprobs for p in params if p.logprobs is not None]
+            extra = (self.link.recv(sum(1 + 2 * k for k in want), torch.float64, self.last, TOKENS).tolist()
+                     if want else [])
+            self.link.prune()
+        except LinkError as e:
+            self._fail(e)
+        logprobs: list[dict | None] = [None] * n
+        at = 0
+        for j, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            k = p.logprobs
+            chunk, at = extra[at: at + 1 + 2 * k], at + 1 + 2 * k
+            if tokens[j] >= 0:
+                logprobs[j] = {"token": tokens[j], "logprob": chunk[0],
+                               "top": list(zip((int(t) for t in chunk[1: 1 + k]), chunk[1 + k:]))}
+        return SampleOutput(tokens, logprobs)
+
+    def _settle(self, step: _Step) -> None:
+        """The last stage takes sampling specs in step order: older steps that were abandoned
+        (an exception between run and sample) get an empty one first."""
+        while self._open:
+            older = self._open.popleft()
+            if older is step:
+                break
+            self.skip(older)
+        step.open = False
+
+    def skip(self, step: _Step) -> None:
+        if not step.open:
+            return
+        self._settle(step)
+        try:
+            self.link.send(torch.tensor([0, 0], dtype=torch.int64), self.last, SPEC)
+        except LinkError as e:
+            self._fail(e)
+
+    # -- failure and shutdown ------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise PipelineError(self.failure)
+        if self.closed:
+            raise PipelineError("the pipeline is closed")
+
+    def _fail(self, error: BaseException) -> None:
+        # A lost connection usually means a stage died: name it when it did (it may take a moment
+        # for its exit to be seen).
+        deadline = time.monotonic() + 0.5
+        while self.failure is None and self.children and time.monotonic() < deadline:
+            for rank, child in enumerate(self.children, start=1):
+                if child.poll() is not None and self.failure is None:
+                    self.failure = f"pipeline failed: stage {rank} (pid {child.pid}) {_exit_text(child.returncode)}"
+            time.sleep(0.02)
+        if self.failure is None:
+            self.failure = f"pipeline failed: {error}"
+        self.close(graceful=False)
+        raise PipelineError(self.failure) from error
+
+    def _watch(self) -> None:
+        """A stage that exits takes the whole pipeline down at once: the others are killed, so
+        every wait on them fails now rather than at its timeout."""
+        while not self._stop_watch.wait(0.1):
+            for rank, child in enumerate(self.children, start=1):
+                code = child.poll()
+                if code is not None:
+                    if self.failure is None and not self.closed:
+                        self.failure = f"pipeline failed: stage {rank} (pid {child.pid}) {_exit_text(code)}"
+                    self._kill_children()
+                    return
+
+    def _kill_children(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+        for child in self.children:
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every stage (a stop message, then a kill for any that lingers); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop_watch.set()
+        if graceful and self.failure is None:
+            try:
+                stop = torch.zeros(HEADER, dtype=torch.int64)
+                stop[0] = OP_STOP
+                while self._open:
+                    self.skip(self._open[0])
+                for rank in range(1, self.num_stages):
+                    self.link.send(stop, rank, PLAN)
+                self.link.flush()
+            except LinkError:
+                pass
+            deadline = time.monotonic() + 5
+            for child in self.children:
+                try:
+                    child.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            self._read_stats()
+        self._kill_children()
+        try:
+            self.link.group.abort() if not graceful else self.link.group.shutdown()
+        except Exception:
+            pass
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+
+    def _read_stats(self) -> None:
+        store = getattr(self, "store", None)
+        for rank in range(1, self.num_stages):
+            try:
+                if store is not None and store.check([f"stats/{rank}"]):
+                    self.stats[rank] = json.loads(store.get(f"stats/{rank}"))
+            except Exception:
+                pass
+
+    def __del__(self):
+        try:
+            self.close(graceful=False)
+        except Exception:
+            pass
+
+
+def _exit_text(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def _close_ref(ref) -> None:
+    runner = ref()
+    if runner is not None:
+        runner.close(graceful=False)
+
+
+# -- starting a pipeline ---------------------------------------------------------------------------
+
+
+def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, block_size: int,
+                   device: str = "cpu", threads: int | None = None, timeout: float = 60.0,
+                   startup_timeout: float = 300.0):
+    """Load stage 0 here and return `(stage-0 model, factory)`; `factory(num_blocks, block_size)`
+    starts the other stages and returns the PipelineRunner.
+
+    Launched by torchrun (RANK/WORLD_SIZE/MASTER_ADDR set), ranks > 0 serve their stage right
+    here and then exit the process; only rank 0 returns."""
+    cfg = load_config_for(spec)
+    plan = partition(cfg.num_layers, stages)
+    world = len(plan)
+    env = torchrun_env()
+    if env is not None:
+        return _join_torchrun(spec, stages, plan, env, kv_cache_tokens, block_size, device, timeout)
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    threads_before = torch.get_num_threads()
+    model = build_stage_model(spec, plan[0], device)
+
+    def factory(num_blocks: int, bs: int) -> PipelineRunner:
+        from torch.distributed import TCPStore
+
+        host = "127.0.0.1"
+        store = TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=startup_timeout))
+        children = []
+        try:
+            for rank in range(1, world):
+                config = {"model": spec, "stages": stages, "rank": rank, "world": world, "host": host,
+                          "port": store.port, "num_blocks": num_blocks, "block_size": bs, "threads": threads,
+                          "timeout": timeout, "device": device}
+                children.append(subprocess.Popen([sys.executable, "-m", "rudder.pipeline", json.dumps(config)],
+                                                 stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + startup_timeout
+            while not store.check([f"ready/{r}" for r in range(1, world)]):
+                for rank, child in enumerate(children, start=1):
+                    if child.poll() is not None:
+                        raise PipelineError(f"pipeline stage {rank} failed to start (exit code {child.returncode})")
+                if time.monotonic() > deadline:
+                    raise PipelineError(f"pipeline stages did not start within {startup_timeout:g} s")
+                time.sleep(0.05)
+            link = Link(process_group(store, 0, world, timeout, host), timeout)
+        except BaseException:
+            for child in children:
+                child.kill()
+                child.wait()
+            raise
+        torch.set_num_threads(threads)
+        runner = PipelineRunner(model, num_blocks, bs, link, children, threads_before)
+        runner.store = store
+        return runner
+
+    return model, factory
+
+
+def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, block_size, device, timeout):
+    import torch.distributed as dist
+
+    rank, world = env
+    if world != len(plan):
+        raise ValueError(f"torchrun started {world} processes for {len(plan)} pipeline stages")
+    store, _, _ = next(dist.rendezvous("env://", rank, world))
+    num_blocks = max(1, kv_cache_tokens // block_size)
+    if rank != 0:
+        try:
+            serve_stage(spec, stages, rank, world, num_blocks, block_size, store, timeout=timeout, device=device)
+        except LinkError as e:
+            print(f"rudder pipeline stage {rank}: {e}; exiting", file=sys.stderr)
+            raise SystemExit(1)
+        raise SystemExit(0)
+    model = build_stage_model(spec, plan[0], device)
+
+    def factory(nb: int, bs: int) -> PipelineRunner:
+        return PipelineRunner(model, nb, bs, Link(process_group(store, 0, world, timeout), timeout))
+
+    return model, factory

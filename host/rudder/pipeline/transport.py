@@ -1,0 +1,83 @@
+"""Point-to-point messages between pipeline ranks over a torch.distributed gloo process group.
+
+Every wait has a deadline: a peer that died closes its connections (gloo reports it at once),
+and one that hangs is caught by the timeout. Either way the caller gets a `LinkError`."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# Message kinds (gloo tags): each (peer, tag) pair is its own ordered stream.
+PLAN, ACT, SPEC, TOKENS = 1, 2, 3, 4
+FOREVER = datetime.timedelta(days=365)
+
+
+class LinkError(RuntimeError):
+    pass
+
+
+def process_group(store: dist.Store, rank: int, world: int, timeout: float, host: str | None = None):
+    """A gloo group of its own (not torch's global default group), so one process can host
+    several pipelines one after the other."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout)
+    device = (dist.ProcessGroupGloo.create_device(hostname=host) if host
+              else dist.ProcessGroupGloo.create_default_device())
+    opts._devices = [device]
+    return dist.ProcessGroupGloo(dist.PrefixStore("rudder-pipeline", store), rank, world, opts)
+
+
+class Link:
+    def __init__(self, group, timeout: float):
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.sends: list[tuple[object, torch.Tensor]] = []  # in-flight sends (their tensors kept alive)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        try:
+            self.sends.append((self.group.send([tensor], dst, tag), tensor))
+        except RuntimeError as e:
+            raise LinkError(f"send to rank {dst} failed: {_short(e)}") from e
+
+    def recv(self, shape, dtype: torch.dtype, src: int, tag: int, forever: bool = False) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        try:
+            self.group.recv([out], src, tag).wait(FOREVER if forever else self.timeout)
+        except RuntimeError as e:
+            if "Timed out" in str(e):
+                raise LinkError(f"timed out after {self.timeout.total_seconds():g} s waiting for rank {src}") from e
+            raise LinkError(f"lost rank {src}: {_short(e)}") from e
+        return out
+
+    def prune(self) -> None:
+        """Forget the sends that completed (never waits: with several steps in flight, a peer may
+        take a message only after this rank has done more work)."""
+        self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]
+
+    def flush(self) -> None:
+        """Wait for every send so far to be received."""
+        sends, self.sends = self.sends, []
+        for work, _ in sends:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as e:
+                raise LinkError(f"send failed: {_short(e)}") from e
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:  # drop gloo's source location
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0]
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when launched by torchrun (or any env:// launcher), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
