@@ -131,3 +131,27 @@ def test_the_readme_controller_builds_and_does_what_it_says(tiny, tmp_path):
         [out] = tiny.generate(["How many?"], SamplingParams(max_tokens=20, temperature=1.0, seed=seed),
                               controller=wasm)
         assert out.text and out.text.isdigit() and len(out.token_ids) <= 6, out
+
+
+def test_a_request_can_lower_its_controller_limits_but_not_raise_them(tiny):
+    slow = wasm_of(busy_wat())
+    spins = (3_000_000).to_bytes(4, "little")  # a few ms of work per step
+    [ok] = tiny.generate(["x"], GREEDY, controller=slow, controller_arg=spins)
+    assert ok.finish_reason == "length"
+    [cut] = tiny.generate(["x"], GREEDY, controller=slow, controller_arg=spins,
+                          controller_limits={"mid_process_ms": 0.5})
+    assert cut.finish_reason == "error" and "timeout" in cut.error
+    ctl = tiny.start_controller(slow, spins, {"mid_process_ms": 10_000})
+    assert ctl.request.limits.mid_process_ms == 25  # capped by the server's limit
+    ctl.close()
+    with pytest.raises(ValueError, match="unknown controller limit"):
+        tiny.start_controller(slow, spins, {"mid_process_msec": 1})
+
+
+def test_cli_limit_flag_is_validated():
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--controller", "fork", "--limit", "max_forks",
+                                      "x"])
+    assert result.exit_code == 1 and "expected KEY=NUMBER" in result.stderr
+    result = CliRunner().invoke(app, ["run", "--model", "tiny", "--controller", "fork", "--arg", "4",
+                                      "--limit", "max_forks=2", "-n", "3", "x"])
+    assert result.exit_code == 1 and "fork" in result.stderr

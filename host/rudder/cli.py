@@ -38,8 +38,10 @@ def _llm(model: str, device: str, pipeline_stages: int):
     return LLM(model, device=device, pipeline_stages=pipeline_stages if pipeline_stages > 1 else None)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, log_tail: str = "") -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    if log_tail:
+        typer.echo("controller log (tail):\n" + log_tail.rstrip("\n"), err=True)
     raise typer.Exit(code=1)
 
 
@@ -61,6 +63,20 @@ def _read_arg(arg: str) -> str:
             raise ValueError(f"--arg {arg}: no such file")
         return path.read_text(encoding="utf-8")
     return arg
+
+
+def _read_limits(items: list[str]) -> dict | None:
+    """`--limit KEY=VALUE` pairs as a dict of numbers (validated by the runtime's Limits)."""
+    limits = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            limits[key.strip()] = float(value) if "." in value else int(value)
+        except ValueError:
+            raise ValueError(f"--limit {item}: expected KEY=NUMBER") from None
+        if not sep:
+            raise ValueError(f"--limit {item}: expected KEY=NUMBER")
+    return limits or None
 
 
 def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
@@ -115,7 +131,7 @@ def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKE
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
     except _user_errors() as e:
-        _fail(str(e))
+        _fail(str(e), getattr(e, "log_tail", ""))
     finally:
         if llm is not None:
             llm.close()
@@ -129,6 +145,9 @@ def run(prompt: str = PROMPT,
         controller: str = typer.Option(..., "--controller", "-c", help="A built-in controller name (see `rudder controllers`) or a .wasm file."),
         arg: str = typer.Option("", "--arg", "-a", help="The controller's argument: TEXT, or @FILE to read it from a file."),
         log: bool = typer.Option(False, "--log", help="Print the controller's log to standard error."),
+        limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit, e.g. --limit mid_process_ms=10 "
+                                        "(mid_process_ms, init_ms, memory_bytes, max_forks, max_ff_tokens, "
+                                        "max_log_bytes, max_var_bytes); repeatable."),
         chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
         top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
         device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
@@ -138,13 +157,13 @@ def run(prompt: str = PROMPT,
     try:
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
         llm = _llm(model, device, pipeline_stages)
-        ctl = llm.start_controller(controller, _read_arg(arg))
+        ctl = llm.start_controller(controller, _read_arg(arg), _read_limits(limit))
         log_text = ctl.log_text
         finals = _stream(llm, prompt, params, chat, ctl)
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
     except _user_errors() as e:
-        _fail(str(e))
+        _fail(str(e), getattr(e, "log_tail", ""))
     finally:
         if llm is not None:
             llm.close()
@@ -152,7 +171,7 @@ def run(prompt: str = PROMPT,
         sys.stderr.write(log_text())
     errors = [d.error for d in finals if d.finish_reason == "error"]
     if errors:
-        _fail(errors[0] or "generation failed")
+        _fail(errors[0] or "generation failed", "" if log else log_text()[-2048:])
 
 
 @app.command()

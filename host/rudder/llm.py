@@ -116,14 +116,14 @@ class LLM:
             wasm = builtin_controller(str(controller)).read_bytes()
         return self.runtime.start(self.runtime.load(wasm), arg, limits)
 
-    def _controllers_for(self, n: int, controller, controller_arg, controllers) -> list:
+    def _controllers_for(self, n: int, controller, controller_arg, controllers, limits=None) -> list:
         if controllers is not None:
             if controller is not None:
                 raise ValueError("pass either controller or controllers, not both")
             return list(controllers)
         if controller is None:
             return [None] * n
-        return [self.start_controller(controller, controller_arg) for _ in range(n)]
+        return [self.start_controller(controller, controller_arg, limits) for _ in range(n)]
 
     def prompt_text(self, prompt: str | list[dict] | list[int], chat: bool) -> str | list[int]:
         """A chat prompt (a message list, or one user message) is rendered with the model's
@@ -137,7 +137,7 @@ class LLM:
         return prompt
 
     def generate(self, prompts: str | list[str] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
-                 *, chat: bool = False, controller=None, controller_arg: str | bytes = "",
+                 *, chat: bool = False, controller=None, controller_arg: str | bytes = "", controller_limits=None,
                  controllers: Iterable[Controller | None] | None = None) -> list[Completion]:
         """Run all prompts concurrently (continuous batching); one Completion per prompt, in order.
 
@@ -147,7 +147,7 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ctls = self._controllers_for(len(prompts), controller, controller_arg, controllers)
+        ctls = self._controllers_for(len(prompts), controller, controller_arg, controllers, controller_limits)
         if not len(params_list) == len(ctls) == len(prompts):
             raise ValueError("prompts, params and controllers must have the same length")
         requests = [self.engine.add_request(self.prompt_text(p, chat), sp, c)
@@ -168,12 +168,12 @@ class LLM:
         return results
 
     def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, *, chat: bool = False,
-               controller=None, controller_arg: str | bytes = "") -> Iterator[Delta]:
+               controller=None, controller_arg: str | bytes = "", controller_limits=None) -> Iterator[Delta]:
         """Yield text deltas as they are decoded (`delta.branch` tells forks apart). Closing the
         iterator cancels the request. `controller`: a ready controller, a built-in name, a .wasm
         path or wasm bytes (with `controller_arg`)."""
         if controller is not None and not hasattr(controller, "mid_process"):
-            controller = self.start_controller(controller, controller_arg)
+            controller = self.start_controller(controller, controller_arg, controller_limits)
         req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller)
         try:
             while not req.finished:
