@@ -1,7 +1,8 @@
 """The serving engine: sequences, paged KV bookkeeping, scheduler, model runner, sampler, loop."""
 
 from .block_manager import BlockManager, KVCacheFull
-from .llm_engine import Completion, Delta, Engine, Request, RunnerFailure
+from .llm_engine import Engine, Request, RunnerFailure
+from .output import Completion, Delta
 from .sampler import Sampler
 from .sequence import SamplingParams, Sequence
 

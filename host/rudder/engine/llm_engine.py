@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -25,6 +25,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .output import Completion, Delta, TextOutput
 from .sequence import SamplingParams, Sequence, SeqStatus
 
 if TYPE_CHECKING:
@@ -50,97 +51,13 @@ class InvalidBranch(ValueError):
     """A Branch the sequence cannot take (too long a backtrack, an empty fast-forward...)."""
 
 
-@dataclass
-class Delta:
-    """What one step changed in one sequence of a request.
-
-    Apply `backtrack_chars` first (delete that many characters from the end of the text shown so
-    far), then append `text`."""
-
-    request_id: int
-    branch: int
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
-    logprobs: list[dict] = field(default_factory=list)
-    error: str | None = None  # what went wrong, when finish_reason is "error"
-    backtrack_chars: int = 0
-    backtrack_tokens: int = 0
-
-
-@dataclass
-class Completion:
-    """The final result of one sequence of a request."""
-
-    request_id: int
-    branch: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    logprobs: list[dict] | None = None
-    error: str | None = None
-    branches: list["Completion"] = field(default_factory=list, repr=False)  # all forks (LLM.generate)
-
-
-class _Output:
-    """Text bookkeeping for one sequence: detokenization, stop strings, backtracking.
-
-    Text that could still turn out to begin a stop string is held back from the stream until it
-    is decided, so a client never sees text that is later cut."""
-
-    def __init__(self, tokenizer: "Tokenizer", stop: list[str]):
-        self.tokenizer = tokenizer
-        self.decoder = tokenizer.stream_decoder()
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
-        self.emitted = 0
-
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Returns the new text that is safe to stream and whether a stop string was hit."""
-        self.text += self.decoder.push(token_ids)
-        if self.stop:
-            start = max(0, self.emitted - self.hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                return self._take(len(self.text)), True
-        return self._take(len(self.text) - self.hold), False
-
-    def pop(self, n_tokens: int) -> int:
-        """Forget the last output tokens; returns how many streamed characters to delete."""
-        removed = self.decoder.pop(min(n_tokens, len(self.decoder)))
-        self.text = self.text[: len(self.text) - removed]
-        unsent = max(0, self.emitted - len(self.text))
-        self.emitted -= unsent
-        return unsent
-
-    def finish(self) -> str:
-        self.text += self.decoder.flush()
-        return self._take(len(self.text))
-
-    def fork(self, output_ids: list[int]) -> "_Output":
-        """A copy for a forked sequence; its first delta carries the whole text so far."""
-        twin = _Output(self.tokenizer, self.stop)
-        twin.text = twin.decoder.push(output_ids)
-        return twin
-
-    def _take(self, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        delta, self.emitted = self.text[self.emitted: upto], upto
-        return delta
-
-
 class Request:
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.seqs: list[Sequence] = []
-        self.outputs: dict[int, _Output] = {}  # by seq_id
+        self.outputs: dict[int, TextOutput] = {}  # by seq_id
         self.cancelled = False
         self.error: str | None = None
 
@@ -232,7 +149,7 @@ class Engine:
         seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req.request_id)
         seq.controller = controller
         req.seqs.append(seq)
-        req.outputs[seq.seq_id] = _Output(self.tokenizer, params.stop)
+        req.outputs[seq.seq_id] = TextOutput(self.tokenizer, params.stop)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
         return req
