@@ -35,7 +35,8 @@ def decode(llm: LLM, batch: int, prompt_tokens: int, decode_tokens: int) -> dict
     engine = llm.engine
     ids = llm.tokenizer.encode(TEXT)
     params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
-    reqs = [engine.add_request(ids[i * 5: i * 5 + prompt_tokens], params) for i in range(batch)]
+    span = len(ids) - prompt_tokens
+    reqs = [engine.add_request(ids[(i * 5) % span: (i * 5) % span + prompt_tokens], params) for i in range(batch)]
     while not all(r.seqs[0].num_output >= 1 for r in reqs):  # prefill, untimed
         engine.step()
     runner = engine.runner
@@ -53,15 +54,16 @@ def decode(llm: LLM, batch: int, prompt_tokens: int, decode_tokens: int) -> dict
             "rank0_busy_s": getattr(runner, "busy_s", 0.0) - busy0}
 
 
-def run_single(model: str, batch: int, args) -> dict:
-    torch.set_num_threads(args.cores)
+def run_single(model: str, batch: int, args, threads: int | None = None) -> dict:
+    torch.set_num_threads(threads or args.cores)
     llm = LLM(model, kv_cache_tokens=batch * (args.prompt_tokens + args.decode_tokens + 64), max_seqs=batch)
     decode(llm, batch, args.prompt_tokens, 4)  # warm up
     return decode(llm, batch, args.prompt_tokens, args.decode_tokens)
 
 
 def run_pipeline(model: str, batch: int, stages: int, micro: int, args) -> dict:
-    llm = LLM(model, pipeline_stages=stages, pipeline_micro_batches=micro, pipeline_threads=args.cores // stages,
+    llm = LLM(model, pipeline_stages=args.layout or stages, pipeline_micro_batches=micro,
+              pipeline_threads=args.cores // stages,
               kv_cache_tokens=batch * (args.prompt_tokens + args.decode_tokens + 64), max_seqs=batch)
     runner = llm.engine.runner
     try:
@@ -84,30 +86,42 @@ def run_pipeline(model: str, batch: int, stages: int, micro: int, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--layout", type=int, nargs="+", help="layers per stage (default: an even split)")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.layout:
+        args.stages = len(args.layout)
     rows = []
     print(f"{args.model}, {args.cores} cores; single process: {args.cores} threads; "
-          f"{args.stages} stages: {args.cores // args.stages} thread(s) each")
+          f"{args.stages} stages: {args.cores // args.stages} thread(s) each; layout {args.layout or 'even'}")
     print(f"{'batch':>5} {'mode':>16} {'tok/s':>8} {'vs single':>9} {'ms/step':>8} {'bubble':>7} {'formula':>7}  stage busy")
     for batch in args.batches:
         single = run_single(args.model, batch, args)
         rows.append({"batch": batch, "mode": "single", **single})
         print(f"{batch:>5} {'single':>16} {single['tok_s']:>8.1f} {1.0:>9.2f} {single['ms_per_step']:>8.1f}")
+        if batch == 1:  # one stage's compute budget: the whole model on one stage's threads
+            one = run_single(args.model, batch, args, threads=args.cores // args.stages)
+            rows.append({"batch": batch, "mode": f"single {args.cores // args.stages} thr", **one})
+            print(f"{batch:>5} {f'single {args.cores // args.stages} thr':>16} {one['tok_s']:>8.1f} "
+                  f"{one['tok_s'] / single['tok_s']:>9.2f} {one['ms_per_step']:>8.1f}")
         for micro in args.micro_batches:
-            if micro > batch:
+            if micro > batch or (micro == 1 and batch > 1):
                 continue
             r = run_pipeline(args.model, batch, args.stages, micro, args)
             rows.append({"batch": batch, "mode": f"{args.stages} stages M={micro}", **r})
             print(f"{batch:>5} {f'{args.stages} stages M={micro}':>16} {r['tok_s']:>8.1f} "
                   f"{r['tok_s'] / single['tok_s']:>9.2f} {r['ms_per_step']:>8.1f} {r['bubble']:>7.2f} "
                   f"{r['bubble_formula']:>7.2f}  {' '.join(f'{f:.2f}' for f in r['stage_busy'])}")
+            if batch == 1 and micro == 1:
+                print(f"      latency overhead per step: {r['ms_per_step'] - single['ms_per_step']:+.1f} ms vs single "
+                      f"({args.cores} thr), {r['ms_per_step'] - one['ms_per_step']:+.1f} ms vs single "
+                      f"({args.cores // args.stages} thr)")
     torch.set_num_threads(args.cores)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

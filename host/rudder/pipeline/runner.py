@@ -39,6 +39,7 @@ class _Step:
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
         self.open = num_rows > 0  # the last stage waits for a sampling spec
+        self.early: list | None = None  # the params of its rows when its spec went out with the plan
 
 
 class PipelineRunner:
@@ -55,11 +56,12 @@ class PipelineRunner:
                                     dtype=torch.float32)
         self.children = children or []
         self._copies: list[tuple[int, int]] = []
-        self._open: deque[_Step] = deque()  # steps whose last stage waits for a sampling spec
+        self._open: deque[_Step] = deque()  # steps with rows: a spec still to send or tokens to take
         self.busy_s = 0.0  # time rank 0 spent computing stage 0 (for the bubble measurement)
         self.stats: dict[int, dict] = {}  # per-stage busy/wall seconds, filled in by close()
         self._steps = 0
         self._threads_before = threads_before
+        self._affinity_before: tuple[int, set[int]] | None = None  # (thread, cores) to restore on close
         self.failure: str | None = None
         self.closed = False
         self._stop_watch = threading.Event()
@@ -84,6 +86,8 @@ class PipelineRunner:
                 self.link.send(header, rank, PLAN)
                 self.link.send(payload, rank, PLAN)
             self._steps += 1
+            if step.open and all(older.early is not None for older in self._open):
+                self._send_early_spec(step, batch)
             started = time.perf_counter()
             with torch.inference_mode():
                 for src, dst in copies:
@@ -98,8 +102,21 @@ class PipelineRunner:
             self._open.append(step)
         return step
 
-    def sample(self, step: _Step, rows: list[int], params: list, rngs: list, masks: list) -> SampleOutput:
-        self._check()
+    def _send_early_spec(self, step: _Step, batch: list[ScheduledSeq]) -> None:
+        """A step none of whose sampling rows has a controller samples every row, unmasked, with
+        params known now: send its spec with the plan, so the last stage samples as soon as its
+        logits are ready instead of waiting for the coordinator (which is computing stage 0 of
+        the next micro-batch by then). Only when no older step still waits for its spec (specs
+        are taken in step order). The uniforms are drawn now from the sequences' own Generators:
+        the same values the engine's sample call would draw (each draws once per sampled step)."""
+        seqs = [e.seq for e in batch if e.sample]
+        if any(s.controller is not None or s.deferred is not None for s in seqs):
+            return
+        params = [s.params for s in seqs]
+        self._send_spec(*self._spec(list(range(len(seqs))), params, [s.rng for s in seqs], [None] * len(seqs)))
+        step.early = params
+
+    def _spec(self, rows: list[int], params: list, rngs: list, masks: list) -> tuple[np.ndarray, list]:
         n = len(rows)
         spec = np.zeros((n, SPEC_COLS), dtype=np.float64)
         packed = []
@@ -112,12 +129,36 @@ class PipelineRunner:
             u = rng.random() if p.temperature > 0 else 0.0
             spec[j] = (row, p.top_k, -1 if p.logprobs is None else p.logprobs, len(packed) - 1 if mask is not None else -1,
                        p.temperature, p.top_p, u)
+        return spec, packed
+
+    def _send_spec(self, spec: np.ndarray, packed: list) -> None:
+        self.link.send(torch.tensor([len(spec), len(packed)], dtype=torch.int64), self.last, SPEC)
+        self.link.send(torch.from_numpy(spec), self.last, SPEC)
+        if packed:
+            self.link.send(torch.from_numpy(np.stack(packed).view(np.int32)), self.last, SPEC)
+
+    def sample(self, step: _Step, rows: list[int], params: list, rngs: list, masks: list) -> SampleOutput:
+        self._check()
+        if step.early is not None:
+            # The spec went out with the plan (every row, unmasked, uniforms drawn then): take
+            # all its tokens and keep the rows asked for (fewer when a sequence finished since).
+            if any(m is not None for m in masks) or any(step.early[r] is not p for r, p in zip(rows, params)):
+                raise ValueError("a step sampled with its plan cannot take masks or other params")
+            self._settle(step)
+            out = self._take_tokens(step.early)
+            return SampleOutput([out.tokens[r] for r in rows], [out.logprobs[r] for r in rows])
+        spec = self._spec(rows, params, rngs, masks)
         self._settle(step)
         try:
-            self.link.send(torch.tensor([n, len(packed)], dtype=torch.int64), self.last, SPEC)
-            self.link.send(torch.from_numpy(spec), self.last, SPEC)
-            if packed:
-                self.link.send(torch.from_numpy(np.stack(packed).view(np.int32)), self.last, SPEC)
+            self._send_spec(*spec)
+        except LinkError as e:
+            self._fail(e)
+        return self._take_tokens(params)
+
+    def _take_tokens(self, params: list) -> SampleOutput:
+        """Receive one step's tokens (and logprobs where asked for) from the last stage."""
+        n = len(params)
+        try:
             tokens = self.link.recv(n, torch.int32, self.last, TOKENS).tolist()
             want = [p.logprobs for p in params if p.logprobs is not None]
             extra = (self.link.recv(sum(1 + 2 * k for k in want), torch.float64, self.last, TOKENS).tolist()
@@ -138,19 +179,27 @@ class PipelineRunner:
         return SampleOutput(tokens, logprobs)
 
     def _settle(self, step: _Step) -> None:
-        """The last stage takes sampling specs in step order: older steps that were abandoned
-        (an exception between run and sample) get an empty one first."""
+        """The last stage takes sampling specs, and sends tokens, in step order: older steps
+        that were abandoned (an exception between run and sample) get an empty spec or have
+        their tokens taken and dropped first."""
         while self._open:
             older = self._open.popleft()
             if older is step:
                 break
-            self.skip(older)
+            older.open = False
+            self._drop(older)
         step.open = False
 
     def skip(self, step: _Step) -> None:
         if not step.open:
             return
         self._settle(step)
+        self._drop(step)
+
+    def _drop(self, step: _Step) -> None:
+        if step.early is not None:  # sampled anyway: take the tokens and drop them
+            self._take_tokens(step.early)
+            return
         try:
             self.link.send(torch.tensor([0, 0], dtype=torch.int64), self.last, SPEC)
         except LinkError as e:
@@ -215,7 +264,7 @@ class PipelineRunner:
                 for rank in range(1, self.num_stages):
                     self.link.send(stop, rank, PLAN)
                 self.link.flush()
-            except LinkError:
+            except (LinkError, PipelineError):
                 pass
             deadline = time.monotonic() + 5
             for child in self.children:
@@ -231,6 +280,12 @@ class PipelineRunner:
             pass
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
+        if self._affinity_before is not None:
+            tid, cpus = self._affinity_before
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # that thread is gone
+                pass
 
     def _read_stats(self) -> None:
         store = getattr(self, "store", None)
@@ -277,6 +332,7 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
         return _join_torchrun(spec, stages, plan, env, kv_cache_tokens, block_size, device, timeout)
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     threads_before = torch.get_num_threads()
+    cores = _core_groups(world, threads)
     model = build_stage_model(spec, plan[0], device)
 
     def factory(num_blocks: int, bs: int) -> PipelineRunner:
@@ -286,11 +342,12 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
         store = TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=startup_timeout))
         children = []
+        affinity_before = None
         try:
             for rank in range(1, world):
                 config = {"model": spec, "stages": stages, "rank": rank, "world": world, "host": host,
                           "port": store.port, "num_blocks": num_blocks, "block_size": bs, "threads": threads,
-                          "timeout": timeout, "device": device}
+                          "timeout": timeout, "device": device, "cpus": cores[rank] if cores else None}
                 children.append(subprocess.Popen([sys.executable, "-m", "rudder.pipeline", json.dumps(config)],
                                                  stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + startup_timeout
@@ -301,18 +358,42 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
                 if time.monotonic() > deadline:
                     raise PipelineError(f"pipeline stages did not start within {startup_timeout:g} s")
                 time.sleep(0.05)
+            # Rank 0's thread (and gloo's threads, started from it) on its own cores, before the group starts.
+            affinity_before = _pin(cores[0]) if cores else None
             link = Link(process_group(store, 0, world, timeout, host), timeout)
         except BaseException:
             for child in children:
                 child.kill()
                 child.wait()
+            if affinity_before is not None:
+                _pin(affinity_before)
             raise
         torch.set_num_threads(threads)
         runner = PipelineRunner(model, num_blocks, bs, link, children, threads_before)
+        runner._affinity_before = (threading.get_native_id(), affinity_before) if cores else None
         runner.store = store
         return runner
 
     return model, factory
+
+
+def _core_groups(world: int, threads: int) -> list[list[int]] | None:
+    """Disjoint cores for each local stage (`threads` each), when this process may use enough:
+    a stage that stays on its cores keeps its caches, and its gloo thread does not wake up on
+    (and preempt) another stage's core. RUDDER_PIPELINE_PIN=0 turns it off."""
+    if os.environ.get("RUDDER_PIPELINE_PIN", "1") == "0" or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < world * threads:
+        return None
+    return [cpus[r * threads:(r + 1) * threads] for r in range(world)]
+
+
+def _pin(cpus) -> set[int]:
+    """Pin the calling thread (and the threads it starts from now on); returns its cores before."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    return before
 
 
 def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, block_size, device, timeout):

@@ -177,6 +177,8 @@ def main(argv: list[str]) -> int:
 
     cfg = json.loads(argv[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C and stops us
+    if cfg.get("cpus"):  # this stage's own cores (before any thread starts: they inherit them)
+        os.sched_setaffinity(0, cfg["cpus"])
     _watch_parent()
     torch.set_num_threads(cfg["threads"])
     rank = cfg["rank"]
