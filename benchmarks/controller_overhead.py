@@ -18,8 +18,8 @@ Rows:
 - step total: the whole host share of a sequence-step with that controller: mid_process plus
   applying its mask to a row of logits (Sampler.apply_masks). `apply` alone is listed too.
 - with --e2e: SmolLM2 greedy decode tokens/s with the full-mask controller on every sequence vs
-  no controller (batch 1 and 4, alternating rounds): the controller runs during the forward
-  pass, so the ratio shows what is left of its cost.
+  no controller (batch 1 and 4, A/B per step): the controller runs during the forward pass, so
+  the ratio shows what is left of its cost.
 
 The machine is shared and noisy: medians over many calls, and compare within one run.
 """
@@ -103,38 +103,45 @@ def measure_overhead(tokenizer, calls: int = 20000) -> dict:
             "apply_random": apply_random, "step_total": total}
 
 
-def measure_e2e(batches=(1, 4), tokens: int = 24, rounds: int = 7) -> list[dict]:
-    """SmolLM2 greedy decode, full-mask controller on every sequence vs none: median step time
-    over short runs that alternate, so the machine's drifts hit both alike."""
+def measure_e2e(batches=(1, 4), steps: int = 240) -> list[dict]:
+    """SmolLM2 greedy decode with the full-mask controller on every sequence vs none.
+
+    Whole runs that alternate still drift apart by several % on this shared machine, so the
+    A/B is per step: the same B sequences decode, and before each step a coin decides whether
+    their controllers take part (a controller skipped for a while just gets the tokens it missed
+    on its next call). Median step time per arm."""
+    import random
+
     from rudder import LLM
 
     llm = LLM("smollm2")
     wasm = wasm_of(full_mask_wat())
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     prompts = ["The history of sailing ships", "A rudder is", "Write a poem about the sea", "Ships and boats"]
+    coin = random.Random(0)
     rows = []
     for batch in batches:
-        def run(with_controller: bool) -> list[float]:
-            ctls = [llm.start_controller(wasm) if with_controller else None for _ in range(batch)]
-            reqs = [llm.engine.add_request(p, params, c) for p, c in zip(prompts[:batch], ctls)]
-            llm.engine.step()  # prefill, outside the timing
-            steps = []
-            while not all(r.finished for r in reqs):
-                t0 = time.perf_counter()
-                llm.engine.step()
-                steps.append(time.perf_counter() - t0)
-            for r in reqs:
-                llm.engine.release(r)
-            return steps
-
-        run(True), run(False)  # warm-up
-        plain, steered = [], []
-        for _ in range(rounds):
-            plain += run(False)
-            steered += run(True)
-        p, c = float(np.median(plain)), float(np.median(steered))
+        reqs = [llm.engine.add_request(p, params, llm.start_controller(wasm)) for p in prompts[:batch]]
+        seqs = [r.seqs[0] for r in reqs]
+        controllers = [s.controller for s in seqs]
+        for _ in range(3):  # prefill and warm-up
+            llm.engine.step()
+        arms = {"plain": [], "controller": []}
+        for _ in range(steps):
+            arm = coin.choice(list(arms))
+            for seq, ctl in zip(seqs, controllers):
+                seq.controller = ctl if arm == "controller" else None
+            t0 = time.perf_counter()
+            llm.engine.step()
+            arms[arm].append(time.perf_counter() - t0)
+        for seq, ctl in zip(seqs, controllers):
+            seq.controller = ctl
+        for r in reqs:
+            llm.engine.cancel(r.request_id)
+        p, c = float(np.median(arms["plain"])), float(np.median(arms["controller"]))
         rows.append({"batch": batch, "plain_ms_per_step": 1e3 * p, "controller_ms_per_step": 1e3 * c,
-                     "plain_tok_s": batch / p, "controller_tok_s": batch / c, "ratio": p / c})
+                     "plain_tok_s": batch / p, "controller_tok_s": batch / c, "ratio": p / c,
+                     "steps": {k: len(v) for k, v in arms.items()}})
     return rows
 
 
