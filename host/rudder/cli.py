@@ -117,17 +117,20 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop):
                           seed=seed, stop=stop).validate()
 
 
-@app.command()
-def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
-             top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
-             model: str = MODEL, device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
-    """Generate text for PROMPT, streamed to standard output."""
+def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: int,
+              controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False) -> None:
+    """What `generate` and `run` share: set up, stream, report errors in one line (plus the
+    controller's log tail), release the model (and its pipeline stages)."""
     prompt = sys.stdin.read() if prompt == "-" else prompt
-    llm = None
+    llm, log_text = None, lambda: ""
     try:
-        params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
+        params = _params(**sampling)
         llm = _llm(model, device, pipeline_stages)
-        finals = _stream(llm, prompt, params, chat)
+        ctl = None
+        if controller is not None:
+            ctl = llm.start_controller(controller, _read_arg(arg), _read_limits(list(limits)))
+            log_text = ctl.log_text
+        finals = _stream(llm, prompt, params, chat, ctl)
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
     except _user_errors() as e:
@@ -135,9 +138,20 @@ def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKE
     finally:
         if llm is not None:
             llm.close()
+    if log:
+        sys.stderr.write(log_text())
     errors = [d.error for d in finals if d.finish_reason == "error"]
     if errors:
-        _fail(errors[0] or "generation failed")
+        _fail(errors[0] or "generation failed", "" if log else log_text()[-2048:])
+
+
+@app.command()
+def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
+             top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
+             model: str = MODEL, device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
+    """Generate text for PROMPT, streamed to standard output."""
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages)
 
 
 @app.command()
@@ -152,26 +166,8 @@ def run(prompt: str = PROMPT,
         top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
         device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
-    prompt = sys.stdin.read() if prompt == "-" else prompt
-    llm = None
-    try:
-        params = _params(max_tokens, temperature, top_p, top_k, seed, stop)
-        llm = _llm(model, device, pipeline_stages)
-        ctl = llm.start_controller(controller, _read_arg(arg), _read_limits(limit))
-        log_text = ctl.log_text
-        finals = _stream(llm, prompt, params, chat, ctl)
-    except KeyboardInterrupt:
-        raise typer.Exit(code=130)
-    except _user_errors() as e:
-        _fail(str(e), getattr(e, "log_tail", ""))
-    finally:
-        if llm is not None:
-            llm.close()
-    if log:
-        sys.stderr.write(log_text())
-    errors = [d.error for d in finals if d.finish_reason == "error"]
-    if errors:
-        _fail(errors[0] or "generation failed", "" if log else log_text()[-2048:])
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log)
 
 
 @app.command()
