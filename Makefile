@@ -22,8 +22,8 @@ demo: setup
 	$(VENV)/bin/rudder generate --chat --seed 7 --max-tokens 120 \
 		"In two sentences, why do sailors use a rudder?"
 	@echo "--- a Wasm controller constrains the answer to one of three strings"
-	$(VENV)/bin/rudder run --controller choices --arg '["calm", "choppy", "stormy"]' --chat --seed 3 \
-		"One word: how is the sea in a hurricane?"
+	$(VENV)/bin/rudder run --controller choices --arg '["blue", "green", "red"]' --chat --seed 3 \
+		"What colour is the sky on a clear day? One word."
 	@echo "--- a Wasm controller forks the request into three sequences that all sample"
 	$(VENV)/bin/rudder run --controller fork --arg 3 --chat --seed 7 --max-tokens 30 \
 		"Give me a name for a boat."
