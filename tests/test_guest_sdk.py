@@ -20,6 +20,7 @@ import wasmtime
 
 from rudder.controller import build
 from rudder.controller.build import BUILTIN_CONTROLLERS, BuildError, build_controller, builtin_controller, list_builtin
+from rudder.controller.host_api import IMPORTS
 from rudder.tokenizer import Tokenizer
 
 ABI_EXPORTS = {
@@ -30,19 +31,7 @@ ABI_EXPORTS = {
     "rudder_input": (["i32"], ["i32"]),
     "rudder_mid_process": (["i32", "i32", "i32"], ["i32"]),
 }
-ABI_IMPORTS = {
-    "vocab_size": (0, 1),
-    "eos_token": (0, 1),
-    "config": (1, 1),
-    "arg_len": (0, 1),
-    "arg_read": (2, 1),
-    "tokenize": (4, 1),
-    "token_table_len": (0, 1),
-    "token_table_read": (2, 1),
-    "log": (2, 0),
-    "var_get": (4, 1),
-    "var_set": (4, 1),
-}
+ABI_IMPORTS = IMPORTS  # name -> (i32 params, i32 results), as docs/abi.md lists them
 RTT1_MAGIC = 0x31545452
 
 
