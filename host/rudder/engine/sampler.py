@@ -124,9 +124,10 @@ class Sampler:
             tokens_s = self._sample_rows(logits, sampled, params, rngs)
             tokens.index_copy_(0, torch.tensor(sampled, device=logits.device), tokens_s)
 
-        # A row whose mask allowed nothing has only -inf logits.
-        dead = torch.isneginf(logits.amax(dim=-1))
-        tokens.masked_fill_(dead, -1)
+        # A row whose mask allowed nothing has only -inf logits (only a masked row can be so: no
+        # extra pass over the vocabulary for unconstrained batches).
+        if masks is not None and any(m is not None for m in masks):
+            tokens.masked_fill_(torch.isneginf(logits.amax(dim=-1)), -1)
         token_list = tokens.tolist()
         lps: list[dict | None] = [None] * n
         if logprob_table is not None:
