@@ -32,6 +32,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,ref,bench]"
 	$(PY) benchmarks/decode.py
 
 clean:
