@@ -24,7 +24,7 @@ from rudder.tokenizer import Tokenizer
 BENCH_REGEX = r"[A-Z][a-z]{2,10} [0-9]{1,4}(, [A-Z][a-z]+)*\."
 # A step takes well under 5 ms (benchmarks/masks.py), but this machine's cores are shared: a
 # wall-clock deadline of 25 ms can pass while a step waits for a core. Tests allow more.
-SLACK = Limits(mid_process_ms=500)
+SLACK = Limits(mid_process_ms=500, init_ms=10_000)
 SEP, SUB = b"\x1e", b"\x1f"   # the probe's record and field separators
 
 PROBE_C = r"""
@@ -602,3 +602,15 @@ def test_rudder_run_with_a_bad_regex_is_one_clear_error():
     result = CliRunner().invoke(app, ["run", "--controller", "regex", "--arg", "(unclosed", "--chat", "hi"])
     assert result.exit_code != 0
     assert "missing ')'" in result.stderr and "Traceback" not in result.output + result.stderr
+
+
+def test_a_dfa_past_its_state_limit_fails_clearly(probe):
+    """(a|b)*a(a|b){20} needs a DFA state per window of 21 bytes: a long random text exceeds the
+    limit, and the request fails with the engine's message instead of exhausting memory."""
+    import random
+
+    rng = random.Random(0)
+    text = bytes(rng.choice(b"ab") for _ in range(260_000))
+    with pytest.raises(ControllerError) as exc:
+        probe(["(a|b)*a(a|b){20}"], [text])
+    assert "the DFA grew past 200000 states" in exc.value.log_tail
