@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from . import openai_api
 from .config import ServerConfig
@@ -116,10 +117,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if size is not None and size.isdigit() and int(size) > limit:
         raise APIError("payload_too_large", f"the module is {int(size)} bytes; this server takes at most {limit}")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError("payload_too_large", f"the module is over {limit} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError("payload_too_large", f"the module is over {limit} bytes")
+    except ClientDisconnect:
+        raise APIError("invalid_request", "the client went away during the upload") from None
     return bytes(body)
 
 

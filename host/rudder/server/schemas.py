@@ -40,6 +40,7 @@ class RunRequest(Sampling):
     prompt: Optional[str] = None
     messages: Optional[list[Message]] = None
     stream: bool = True
+    ignore_eos: bool = False
 
 
 class RudderExtension(_Body):

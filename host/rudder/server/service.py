@@ -43,7 +43,8 @@ class Service:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=body.seed, stop=stop).validate()
+                                  top_k=body.top_k, seed=body.seed, stop=stop,
+                                  ignore_eos=getattr(body, "ignore_eos", False)).validate()
         except ValueError as e:
             raise APIError("invalid_request", str(e)) from None
 
