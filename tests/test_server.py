@@ -152,6 +152,20 @@ def test_controller_start_error_carries_log_tail(server):
     assert "the argument must be a number" in err["log_tail"]
 
 
+def test_request_limits_only_lower_the_servers(server):
+    with server.client() as c:
+        lowered = c.post("/v1/run", json={"prompt": "x", "controller": "fork", "controller_arg": "3",
+                                          "controller_limits": {"max_forks": 2}})
+        hang = c.post("/v1/controllers", content=bytes(wasmtime.wat2wasm(HANG_WAT))).json()["module_id"]
+        t0 = time.monotonic()
+        raised = c.post("/v1/run", json={"prompt": "x", "controller": hang, "stream": False,
+                                         "controller_limits": {"mid_process_ms": 60000}})
+        elapsed = time.monotonic() - t0
+    assert lowered.status_code == 400 and "max_forks 2" in lowered.json()["error"]["log_tail"]
+    # asking for a 60 s step gets the server's 50 ms
+    assert raised.status_code == 400 and raised.json()["error"]["kind"] == "timeout" and elapsed < 10
+
+
 # -- streaming ----------------------------------------------------------------------------------
 
 def test_sse_stream_with_backtrack(server, rewind_wasm):

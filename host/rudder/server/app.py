@@ -92,6 +92,7 @@ class _CountRequests:
 
     def __init__(self, app):
         self.app = app
+        self._paths: set[str] | None = None  # the app's routes (unknown paths count as "other")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -106,10 +107,12 @@ class _CountRequests:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            svc = getattr(scope["app"].state, "service", None)
-            routes = {r.path for r in scope["app"].routes}
+            app = scope["app"]
+            svc = getattr(app.state, "service", None)
+            if self._paths is None:
+                self._paths = {r.path for r in app.routes}
             if svc is not None:
-                svc.metrics.request(scope["path"] if scope["path"] in routes else "other", status[0])
+                svc.metrics.request(scope["path"] if scope["path"] in self._paths else "other", status[0])
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -1,9 +1,10 @@
 """Counters for GET /metrics, in Prometheus' text format (written by hand: a few lines, no
-dependency). Updated from the engine thread and the event loop; plain int/float adds."""
+dependency). Each counter is written by one thread (failures by both, under a lock); plain int/float adds."""
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 
 _WINDOW_S = 10.0  # tokens/s is measured over this much recent time
@@ -22,12 +23,14 @@ class Metrics:
         self.forward_s = 0.0
         self.uploads = 0
         self._recent: collections.deque = collections.deque()  # (time, tokens) of recent steps
+        self._lock = threading.Lock()  # for what both threads count
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
 
     def failure(self, kind: str) -> None:
-        self.failures[kind] += 1
+        with self._lock:
+            self.failures[kind] += 1
 
     def add_tokens(self, n: int) -> None:
         if n:
