@@ -218,6 +218,7 @@ static bool is_annotation(const rudder_str *k) {
 }
 
 static uint32_t compile(comp *c, const rudder_jv *s);
+static uint32_t rudder_js_max_token(void);
 
 static uint32_t memo_get(comp *c, const rudder_jv *s) {
     for (uint32_t i = 0; i < c->n_memo; i++)
@@ -653,19 +654,16 @@ static uint32_t compile_typed(comp *c, uint32_t id, const rudder_jv *s, uint32_t
         case T_STRING: r = compile_string(c, at, s); break;
         case T_NUMBER: r = compile_number(c, at, s, false); break;
         case T_INTEGER: r = compile_number(c, at, s, true); break;
-        default: {
-            uint32_t l = lits_node(c);
-            jnode *node = &c->js->nodes[l];
+        default: {   /* boolean, null: a literal set */
+            uint32_t root = new_tnode(c->js, 0);
+            c->js->nodes[at].kind = K_LITS;
+            c->js->nodes[at].trie = root;
             const char *words = t == T_BOOLEAN ? "true\0false\0" : "null\0";
             for (const char *w = words; *w; w += strlen(w) + 1) {
-                uint32_t end = trie_add(c->js, node->trie, (const uint8_t *)w, (uint32_t)strlen(w), 0);
+                uint32_t end = trie_add(c->js, root, (const uint8_t *)w, (uint32_t)strlen(w), 0);
                 c->js->trie[end].term = 1;
             }
-            if (n == 1) {   /* the node itself becomes the literal set */
-                c->js->nodes[id] = c->js->nodes[l];
-                l = id;
-            }
-            r = l;
+            r = at;
         }
         }
         if (c->failed)
@@ -885,6 +883,7 @@ rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t
     int32_t budget = rudder_config(RUDDER_CONFIG_MAX_FF);
     js->ff_budget = budget > 0 ? (uint32_t)budget : 0;
     js->cache = rudder_zalloc(CACHE_SLOTS * sizeof(entry));
+    js->walk = rudder_xalloc((rudder_js_max_token() + 2) * sizeof(rudder_js_state));
     if (!js->cache)
         rudder_panic("jsonschema: out of memory");
     return js;
@@ -1468,16 +1467,14 @@ static bool accepting(const rudder_js *js, const st *s0) {
 
 bool rudder_js_accepting(rudder_js *js, const st *s) { return accepting(js, s); }
 
-/* The one byte the schema allows here (whitespace aside), or -1 (several, none, or the
- * document may end here). */
+/* The one byte the schema allows here, or -1 (several, none, or the document may end here).
+ * With flexible whitespace, whitespace is a choice: little is forced then (inside keys). */
 static int forced_byte(const rudder_js *js, const st *s) {
     if (accepting(js, s))
         return -1;
     int found = -1;
     st t;
     for (uint32_t b = 0; b < 256; b++) {
-        if (js->flexible && (b == ' ' || b == '\n' || b == '\t' || b == '\r'))
-            continue;
         copy_state(&t, s);
         if (push_byte(js, &t, (uint8_t)b)) {
             if (found >= 0)
@@ -1531,6 +1528,8 @@ void rudder_js_init_tables(void) {
     }
 }
 
+static uint32_t rudder_js_max_token(void) { return g_max_token; }
+
 /* A state inside a string whose content is free (no length cap, no pattern), at a character
  * boundary: the fast path applies. */
 static bool free_string(const rudder_js *js, const st *s) {
@@ -1561,8 +1560,6 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
     const rudder_trie *tr = rudder_trie_get();
     const uint32_t *nodes = tr->nodes;
     uint32_t *ends = tr->ends, n = tr->n_nodes, depth = 0, i = 1;
-    if (!js->walk)
-        js->walk = rudder_xalloc((g_max_token + 2) * sizeof(st));
     st *J = js->walk;
     copy_state(&J[0], s0);
     ends[0] = n;
@@ -1596,9 +1593,48 @@ static uint32_t state_hash(const st *s) {
     return h;
 }
 
-/* The forced bytes from `s` (whole characters), as tokens: all of them when the document is
- * then complete with nothing to follow, else all but the last (it could merge with what the
- * model writes next). Appends to e->toks; returns how many. */
+/* Could the token spelling `b` be the start of a longer token that continues validly from
+ * `s` (the state after `b`)? Then the model may want that longer token: `b` is not forced as
+ * a token, only as text. Walks the trie below b's node, stopping at the first live token. */
+static bool extends(const rudder_js *js, const st *s, const uint8_t *b, uint32_t len) {
+    const rudder_trie *tr = rudder_trie_get();
+    const uint32_t *nodes = tr->nodes;
+    uint32_t at = 0;
+    for (uint32_t k = 0; k < len; k++) {   /* descend: children of i lie in (i, i + size) */
+        uint32_t c = at + 1, end = at + nodes[2 * at + 1];
+        while (c < end && (uint8_t)nodes[2 * c] != b[k])
+            c += nodes[2 * c + 1];
+        if (c >= end)
+            return false;
+        at = c;
+    }
+    uint32_t end = at + nodes[2 * at + 1], depth = 0, i = at + 1;
+    uint32_t *ends = tr->ends;
+    st *J = js->walk;
+    copy_state(&J[0], s);
+    ends[0] = end;
+    while (i < end) {
+        while (i >= ends[depth])
+            depth--;
+        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
+        st *child = &J[depth + 1];
+        copy_state(child, &J[depth]);
+        if (!push_byte(js, child, (uint8_t)w0)) {
+            i += size;
+            continue;
+        }
+        if (w0 >> 8)
+            return true;
+        if (size > 1)
+            ends[++depth] = i + size;
+        i++;
+    }
+    return false;
+}
+
+/* The forced bytes from `s` (whole characters), as tokens: all of them, except the last when
+ * it could merge with what the model writes next (a longer token starting with it could
+ * follow validly). Appends to e->toks; returns how many. */
 static uint32_t forced_tokens(rudder_js *js, const st *s, entry *e) {
     uint8_t run[MAX_FORCED];
     uint32_t n = 0, whole = 0;
@@ -1621,7 +1657,9 @@ static uint32_t forced_tokens(rudder_js *js, const st *s, entry *e) {
         rudder_free(toks);
         return 0;
     }
-    if (!final(js, &at_whole))
+    uint32_t last_len;
+    const uint8_t *last = rudder_token_bytes(toks[nt - 1], &last_len);
+    if (extends(js, &at_whole, last, last_len))
         nt--;
     e->toks = grow(e->toks, &e->cap_toks, e->n_toks + nt + 1, 4);
     memcpy(e->toks + e->n_toks, toks, nt * 4);
