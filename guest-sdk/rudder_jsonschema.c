@@ -1111,6 +1111,17 @@ static inline int hexval(uint8_t b) {
     return b >= '0' && b <= '9' ? b - '0' : b >= 'a' && b <= 'f' ? b - 'a' + 10 : b >= 'A' && b <= 'F' ? b - 'A' + 10 : -1;
 }
 
+static const char ESC_FROM[] = "\"\\/bfnrt", ESC_TO[] = "\"\\/\b\f\n\r\t";
+
+static bool escape_possible(const jnode *n, const st *s) {
+    if (!n->rx)
+        return true;
+    for (uint32_t i = 0; ESC_TO[i]; i++)
+        if (rudder_rx_push(n->rx, s->rx, (uint8_t)ESC_TO[i]) != RUDDER_DEAD)
+            return true;
+    return false;
+}
+
 /* One byte inside a string. `n` is the string's node, or NULL for a free object key (plain
  * characters only: no escapes, so that equal keys are equal bytes). */
 static int str_byte(st *s, const jnode *n, uint8_t b) {
@@ -1121,8 +1132,8 @@ static int str_byte(st *s, const jnode *n, uint8_t b) {
                 return DEAD;
             return CLOSED;
         }
-        if (b == '\\') {
-            if (!n)
+        if (b == '\\') {   /* an escape must have room and, under a pattern, a character it may write */
+            if (!n || (n->max != NONE && s->len >= n->max) || !escape_possible(n, s))
                 return DEAD;
             s->lphase = SL_ESC;
             return OK;
@@ -1151,16 +1162,15 @@ static int str_byte(st *s, const jnode *n, uint8_t b) {
             s->u8lo = 0x80, s->u8hi = 0xbf;
         return OK;
     case SL_ESC: {
-        static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
-        if (b == 'u') {
+        if (b == 'u' && !n->rx) {   /* (under a pattern only short escapes: decided at once) */
             s->lphase = SL_U0;
             s->hex = 0;
             return OK;
         }
-        for (uint32_t i = 0; from[i]; i++)
-            if (b == (uint8_t)from[i]) {
+        for (uint32_t i = 0; ESC_FROM[i]; i++)
+            if (b == (uint8_t)ESC_FROM[i]) {
                 s->lphase = SL_CHAR;
-                return count_char(n, s, (uint8_t)to[i]);
+                return count_char(n, s, (uint8_t)ESC_TO[i]);
             }
         return DEAD;
     }

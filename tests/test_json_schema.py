@@ -399,7 +399,7 @@ def test_tiny_model_outputs_validate(name):
 
     llm = _tiny()
     schema = SCHEMAS[name]
-    params = [SamplingParams(max_tokens=400, seed=s, temperature=1.0) for s in range(12)]
+    params = [SamplingParams(max_tokens=300, seed=s, temperature=1.0) for s in range(8)]
     outs = llm.generate(["Write JSON."] * len(params), params, controller="json", controller_arg=json.dumps(schema))
     for out in outs:
         assert out.error is None, out.error
