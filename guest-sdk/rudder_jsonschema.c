@@ -14,7 +14,7 @@
 #define FRAC_DIGITS 15u
 #define EXP_DIGITS 3u
 #define MAX_FORCED 64u        /* forced bytes looked ahead per step */
-#define LIST_MAX_ALLOWED 32u  /* ff lists are computed for masks allowing at most this many */
+#define LIST_MAX_ALLOWED 16u  /* ff lists are computed for masks allowing at most this many */
 #define CACHE_SLOTS 64u
 
 /* ------------------------------------------------------------------ (1) compiled schema */
@@ -1477,85 +1477,165 @@ static bool accepting(const rudder_js *js, const st *s0) {
 
 bool rudder_js_accepting(rudder_js *js, const st *s) { return accepting(js, s); }
 
-/* The one byte the schema allows here, or -1 (several, none, or the document may end here).
- * With flexible whitespace, whitespace is a choice: little is forced then (inside keys). */
-static int forced_byte(const rudder_js *js, const st *s) {
-    if (accepting(js, s))
-        return -1;
-    int found = -1;
+/* A superset of the bytes that can come next, from the top frame alone; false when it could
+ * be almost anything (inside strings and numbers, whitespace allowed): try all 256 then. */
+static bool candidates(const rudder_js *js, const st *s, uint32_t set[8]) {
+    const rudder_js_frame *f = &s->f[s->sp - 1];
+    memset(set, 0, 32);
+    if (js->flexible)
+        return false;
+    if (s->sp == 1) {
+        if (f->phase == D_START)
+            memcpy(set, js->nodes[js->root].first, 32);
+        return true;
+    }
+    const jnode *n = &js->nodes[f->node];
+    if (f->phase == V_START) {
+        memcpy(set, n->first, 32);
+        return true;
+    }
+    switch (n->kind) {
+    case K_OBJECT:
+        switch (f->phase) {
+        case O_KEY_OR_END: set_bit(set, '}'); /* fall through */
+        case O_KEY: set_bit(set, '"'); return true;
+        case O_COLON: set_bit(set, ':'); return true;
+        case O_AFTER: set_bit(set, ','), set_bit(set, '}'); return true;
+        case O_IN_KEY:
+            if ((f->flags & 1) || f->aux == NONE)
+                return false;
+            for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+                set_bit(set, js->trie[c].byte);
+            return true;
+        }
+        return false;
+    case K_ARRAY: {
+        uint32_t item = f->aux < n->n ? js->idx[n->a + f->aux] : n->extra;
+        if (f->phase == A_AFTER) {
+            set_bit(set, ','), set_bit(set, ']');
+            return true;
+        }
+        if (f->phase == A_ITEM_OR_END)
+            set_bit(set, ']');
+        if (item != NONE)
+            for (uint32_t w = 0; w < 8; w++)
+                set[w] |= js->nodes[item].first[w];
+        return true;
+    }
+    case K_LITS:
+        if (js->trie[f->aux].term != NONE)
+            return false;
+        for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+            set_bit(set, js->trie[c].byte);
+        return true;
+    }
+    return false;
+}
+
+/* How many bytes can follow `s` (0, 1 or 2 = "several"); the byte when it is one. */
+static uint32_t next_bytes(const rudder_js *js, const st *s, int *only) {
+    uint32_t set[8], found = 0;
+    bool narrow = candidates(js, s, set);
     st t;
     for (uint32_t b = 0; b < 256; b++) {
+        if (narrow && !bit(set, (uint8_t)b))
+            continue;
         copy_state(&t, s);
         if (push_byte(js, &t, (uint8_t)b)) {
-            if (found >= 0)
-                return -1;
-            found = (int)b;
+            *only = (int)b;
+            if (++found == 2)
+                break;
         }
     }
     return found;
 }
 
+/* The one byte the schema allows here, or -1 (several, none, or the document may end here).
+ * With flexible whitespace, whitespace is a choice: little is forced then (inside keys). */
+static int forced_byte(const rudder_js *js, const st *s) {
+    int only = -1;
+    if (accepting(js, s) || next_bytes(js, s, &only) != 1)
+        return -1;
+    return only;
+}
+
 /* Complete, and nothing may follow: the sequence is over. */
 static bool final(const rudder_js *js, const st *s) {
-    if (!accepting(js, s))
-        return false;
-    st t;
-    for (uint32_t b = 0; b < 256; b++) {
-        copy_state(&t, s);
-        if (push_byte(js, &t, (uint8_t)b))
-            return false;
-    }
-    return true;
+    int only;
+    return accepting(js, s) && next_bytes(js, s, &only) == 0;
 }
 
 /* ------------------------------------------------------------------ (4) masks and steps */
 
 /* Token classes (request-independent). "Plain" tokens are whole UTF-8 characters with no quote,
- * backslash or control byte: inside a free string every one of them is allowed and leaves the
- * state as it was, so only the other ("special") tokens need checking there. */
-static uint32_t *g_plain, *g_special, g_n_special, g_max_token;
+ * backslash or control byte: inside a string with no pattern every one of them is allowed as
+ * long as its characters fit (maxLength), and only the other ("special") tokens need checking.
+ * g_plain_upto[k]: the plain tokens of at most k characters (k <= SHORT); longer plain tokens
+ * are few and listed apart. */
+#define SHORT 24u
+static uint32_t *g_plain_upto[SHORT + 1], *g_special, g_n_special, *g_long, g_n_long, g_max_token;
+static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
 
 void rudder_js_init_tables(void) {
-    if (g_plain)
+    if (g_special)
         return;
-    uint32_t vocab = rudder_vocab_size();
-    g_plain = rudder_mask_new();
+    uint32_t vocab = rudder_vocab_size(), words = rudder_mask_words();
+    for (uint32_t k = 0; k <= SHORT; k++)
+        g_plain_upto[k] = rudder_mask_new();
     g_special = rudder_xalloc(4 * (vocab + 1));
+    g_long = rudder_xalloc(4 * (vocab + 1));
+    g_chars = rudder_zalloc(vocab + 1);
     for (uint32_t t = 0; t < vocab; t++) {
-        uint32_t len;
+        uint32_t len, chars = 0;
         const uint8_t *b = rudder_token_bytes(t, &len);
         if (!b || !len)
             continue;
         if (len > g_max_token)
             g_max_token = len;
         bool plain = rudder_utf8_valid(b, len);
-        for (uint32_t i = 0; i < len && plain; i++)
+        for (uint32_t i = 0; i < len && plain; i++) {
             plain = b[i] >= 0x20 && b[i] != '"' && b[i] != '\\';
-        if (plain)
-            rudder_mask_set(g_plain, t);
-        else
+            chars += (b[i] & 0xc0) != 0x80;
+        }
+        if (!plain) {
             g_special[g_n_special++] = t;
+            continue;
+        }
+        g_chars[t] = (uint8_t)(chars < 255 ? chars : 255);
+        if (chars <= SHORT)
+            rudder_mask_set(g_plain_upto[chars], t);
+        else
+            g_long[g_n_long++] = t;
     }
+    for (uint32_t k = 1; k <= SHORT; k++)   /* cumulative */
+        for (uint32_t w = 0; w < words; w++)
+            g_plain_upto[k][w] |= g_plain_upto[k - 1][w];
 }
 
 static uint32_t rudder_js_max_token(void) { return g_max_token; }
 
-/* A state inside a string whose content is free (no length cap, no pattern), at a character
- * boundary: the fast path applies. */
-static bool free_string(const rudder_js *js, const st *s) {
+/* Inside a string with no pattern (a value, or a free object key), at a character boundary:
+ * returns the room left in characters (NONE: unbounded), or 0 when the fast path does not apply. */
+static uint32_t free_string_room(const rudder_js *js, const st *s) {
     const rudder_js_frame *f = &s->f[s->sp - 1];
     if (s->sp < 2 || s->lphase != SL_CHAR)
-        return false;
+        return 0;
     const jnode *n = &js->nodes[f->node];
-    if (n->kind == K_STRING && f->phase == S_IN)
-        return n->max == NONE && !n->rx;
-    return n->kind == K_OBJECT && f->phase == O_IN_KEY && f->aux == NONE && (f->flags & 1);
+    if (n->kind == K_STRING && f->phase == S_IN && !n->rx)
+        return n->max == NONE ? NONE : n->max - s->len;
+    /* an extra key takes any plain characters (whether it still follows a declared key only
+     * matters at its closing quote, a special token) */
+    return n->kind == K_OBJECT && f->phase == O_IN_KEY && (f->flags & 1) ? NONE : 0;
 }
 
 static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
     uint32_t count = 0;
-    if (free_string(js, s0)) {
-        memcpy(mask, g_plain, 4 * rudder_mask_words());
+    uint32_t room = free_string_room(js, s0);
+    if (room) {
+        memcpy(mask, g_plain_upto[room < SHORT ? room : SHORT], 4 * rudder_mask_words());
+        for (uint32_t i = 0; room > SHORT && i < g_n_long; i++)
+            if (g_chars[g_long[i]] <= room)
+                rudder_mask_set(mask, g_long[i]);
         st t;
         for (uint32_t i = 0; i < g_n_special; i++) {
             uint32_t tok = g_special[i], len;
