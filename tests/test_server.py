@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import re
 import time
 
 import httpx
@@ -337,3 +338,15 @@ def test_json_schema_chat_completion_validates(smol_server):
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
     value = json.loads(out.choices[0].message.content)
     jsonschema.validate(value, schema)
+
+
+def test_regex_extension_maps_onto_the_regex_controller(server):
+    from openai import OpenAI
+
+    if "regex" not in httpx.get(server.url + "/v1/controllers/tags").json()["tags"]:
+        pytest.fail("the built-in regex controller is missing")
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a number"}],
+                                             max_tokens=8, seed=seed, extra_body={"rudder": {"regex": "[0-9]+"}})
+        assert re.fullmatch("[0-9]+", out.choices[0].message.content), out.choices[0].message.content
