@@ -128,7 +128,7 @@ class Engine:
                      if controller_threads > 0 else None)
         self.requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
-        self._steps = 0  # steps launched (Usage.last_step)
+        self._steps = 0  # steps completed (Usage.last_step)
 
     # -- requests ------------------------------------------------------------------------------
 
