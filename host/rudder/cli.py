@@ -171,6 +171,38 @@ def run(prompt: str = PROMPT,
 
 
 @app.command()
+def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+          port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on (0: any free one)."),
+          model: str = MODEL,
+          restricted: bool = typer.Option(False, "--restricted", help="No uploads or new tags: built-in controllers only."),
+          max_concurrent: int = typer.Option(16, "--max-concurrent", min=1, help="Requests in the engine at once."),
+          max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a place; past that: 429."),
+          max_tokens: int = typer.Option(1024, "--max-tokens", min=1, help="The most tokens a request may ask for."),
+          max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", min=0.001, help="Largest .wasm upload, in MiB."),
+          limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit for every request, "
+                                          "e.g. --limit mid_process_ms=10 (as for `run`); repeatable."),
+          kv_cache_tokens: int = typer.Option(16384, "--kv-cache-tokens", min=16, help="KV cache size in tokens."),
+          device: str = DEVICE) -> None:
+    """Serve the model over HTTP: /v1/run (SSE), a controller registry, OpenAI-compatible completions."""
+    import uvicorn
+
+    from .server import ServerConfig, create_app
+
+    try:
+        config = ServerConfig(model=model, restricted=restricted, max_concurrent=max_concurrent, max_queue=max_queue,
+                              max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
+                              max_upload_bytes=int(max_upload_mb * (1 << 20)),
+                              controller_limits=_read_limits(list(limit)) or {},
+                              engine_options={"kv_cache_tokens": kv_cache_tokens, "device": device})
+        from .controller import Limits
+
+        Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
+    except _user_errors() as e:
+        _fail(str(e))
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+
+
+@app.command()
 def controllers() -> None:
     """List the built-in controllers (usable by name with --controller)."""
     from .controller.build import list_builtin

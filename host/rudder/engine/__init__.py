@@ -2,9 +2,9 @@
 
 from .block_manager import BlockManager, KVCacheFull
 from .llm_engine import Engine, Request, RunnerFailure
-from .output import Completion, Delta
+from .output import Completion, Delta, Usage
 from .sampler import Sampler
 from .sequence import SamplingParams, Sequence
 
 __all__ = ["BlockManager", "KVCacheFull", "Completion", "Delta", "Engine", "Request", "RunnerFailure", "Sampler",
-           "SamplingParams", "Sequence"]
+           "SamplingParams", "Sequence", "Usage"]

@@ -14,6 +14,7 @@ The Branch semantics (stale logits after a backtrack, forks, ff lists) are those
 from __future__ import annotations
 
 import itertools
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -25,7 +26,7 @@ from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .output import Completion, Delta, TextOutput
+from .output import Completion, Delta, TextOutput, Usage
 from .sequence import SamplingParams, Sequence, SeqStatus
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Request:
         self.outputs: dict[int, TextOutput] = {}  # by seq_id
         self.cancelled = False
         self.error: str | None = None
+        self.usage = Usage()
 
     @property
     def finished(self) -> bool:
@@ -88,16 +90,20 @@ class _InFlight:
     ready: list[Sequence]
     tasks: list
     logits: object
+    forward_s: float = 0.0
 
 
 def _run_calls(calls) -> list:
-    """Run mid_process calls in order; each answer is a Branch list or the exception raised."""
+    """Run mid_process calls in order; each answer is (seq_id, a Branch list or the exception
+    raised, seconds taken)."""
     answers = []
     for seq_id, controller, branch_idx, backtrack, tokens in calls:
+        t0 = time.perf_counter()
         try:
-            answers.append((seq_id, controller.mid_process(branch_idx, backtrack, tokens)))
+            answer = controller.mid_process(branch_idx, backtrack, tokens)
         except Exception as e:
-            answers.append((seq_id, e))
+            answer = e
+        answers.append((seq_id, answer, time.perf_counter() - t0))
     return answers
 
 
@@ -122,6 +128,7 @@ class Engine:
                      if controller_threads > 0 else None)
         self.requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
+        self._steps = 0  # steps completed (Usage.last_step)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -148,6 +155,7 @@ class Engine:
         req = Request(next(self._request_ids), prompt_ids, params)
         seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req.request_id)
         seq.controller = controller
+        seq.usage = req.usage
         req.seqs.append(seq)
         req.outputs[seq.seq_id] = TextOutput(self.tokenizer, params.stop)
         self.requests[req.request_id] = req
@@ -190,6 +198,7 @@ class Engine:
         self.runner.copy_blocks(self.block_manager.take_copies())
         ready = [e.seq for e in batch if e.sample]
         tasks = self._start_controllers([s for s in ready if s.controller is not None and s.deferred is None])
+        t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch)  # the controllers run meanwhile
         except RunnerFailure as e:
@@ -197,13 +206,18 @@ class Engine:
                 task.result()
             deltas.extend(self._fail_all(str(e)))
             return None
-        return _InFlight(batch, ready, tasks, logits)
+        return _InFlight(batch, ready, tasks, logits, time.perf_counter() - t0)
 
     def _complete(self, flight: "_InFlight", deltas: list[Delta]) -> None:
         """Join the controllers, apply their Branch records, sample, append."""
+        self._steps += 1
         for entry in flight.batch:
             entry.seq.num_cached += entry.num_tokens
-        answers = {seq_id: answer for task in flight.tasks for seq_id, answer in task.result()}  # all done before any is closed
+            usage = entry.seq.usage
+            if usage.last_step != self._steps:  # once per request, however many of its forks ran
+                usage.last_step = self._steps
+                usage.forward_s += flight.forward_s
+        answers = {seq_id: (answer, secs) for task in flight.tasks for seq_id, answer, secs in task.result()}  # all done before any is closed
 
         samples: list[_Sample] = []
         for row, seq in enumerate(flight.ready):
@@ -215,7 +229,9 @@ class Engine:
                 branch, seq.deferred = seq.deferred, None
                 samples.append(_Sample(seq, row, branch))
             else:
-                samples.extend(self._take_branches(seq, row, answers[seq.seq_id], deltas))
+                answer, secs = answers[seq.seq_id]
+                seq.usage.controller_s += secs
+                samples.extend(self._take_branches(seq, row, answer, deltas))
         try:
             if samples:
                 deltas.extend(self._sample(flight.logits, samples))
@@ -282,6 +298,8 @@ class Engine:
         child.num_prompt, child.num_cached = parent.num_prompt, parent.num_cached
         child.ctl_append, child.ctl_backtrack = list(parent.ctl_append), parent.ctl_backtrack
         child.controller = parent.controller.fork()
+        child.usage = parent.usage
+        req.usage.forks += 1
         self.block_manager.fork(parent.seq_id, child.seq_id)
         req.seqs.append(child)
         req.outputs[child.seq_id] = req.outputs[parent.seq_id].fork(child.output_ids)
@@ -310,6 +328,7 @@ class Engine:
                 seq.deferred = branch if branch.samples else None
                 return False
         if appends:
+            seq.usage.ff_tokens += len(appends)
             deltas.append(self._append(seq, list(appends)))
             return False
         return True
@@ -344,6 +363,8 @@ class Engine:
                 tokens = next((ff for ff in s.branch.ff if ff[0] == token), tokens)
             if logprob is not None:
                 seq.logprobs.append(logprob)
+            seq.usage.sampled_tokens += 1
+            seq.usage.ff_tokens += len(tokens) - 1
             deltas.append(self._append(seq, list(tokens), [logprob] if logprob else []))
         return deltas
 

@@ -30,6 +30,18 @@ class Delta:
 
 
 @dataclass
+class Usage:
+    """What one request cost (all its forks together), counted by the engine as it goes."""
+
+    sampled_tokens: int = 0     # tokens drawn by the sampler
+    ff_tokens: int = 0          # tokens a controller forced (fast-forward)
+    forks: int = 0              # sequences added by forks
+    controller_s: float = 0.0   # time spent in the controller's mid_process calls
+    forward_s: float = 0.0      # time of the forward passes the request took part in
+    last_step: int = -1         # the engine step last counted into forward_s
+
+
+@dataclass
 class Completion:
     """The final result of one sequence of a request."""
 

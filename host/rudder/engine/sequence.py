@@ -76,6 +76,7 @@ class Sequence:
         self.ctl_backtrack = 0
         self.ctl_append: list[int] = list(prompt_ids)
         self.deferred = None  # rudder.branch.Branch | None
+        self.usage = None  # the request's rudder.engine.output.Usage (shared by its forks)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,352 @@
+"""The HTTP server, driven over real HTTP on loopback (httpx and the `openai` client).
+
+Server mechanics use the tiny random-weight model (fast); tests marked `model` use SmolLM2."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import re
+import time
+
+import httpx
+import jsonschema
+import pytest
+import wasmtime
+
+from rudder.controller.build import build_controller, builtin_controller
+from rudder.server import ServerConfig
+from serve_util import LiveServer, apply_deltas, sse_events
+from controller_wat import controller_wat
+
+# Forces the argument's tokens, then takes the last two back and samples on to 8 tokens: a
+# stream with a visible backtrack.
+REWIND_C = r'''
+#include "rudder.h"
+static uint32_t *forced, n_forced;
+int controller_start(const char *arg, uint32_t len) {
+    forced = rudder_tokenize(arg, len, &n_forced);
+    return forced && n_forced >= 2 ? 0 : 1;
+}
+void controller_step(const rudder_step *step, rudder_out *out) {
+    if (step->index == 0) {
+        rudder_out_ff(out, forced, n_forced);
+        return;
+    }
+    if (step->index == 1) {
+        rudder_log("rewind: taking 2 tokens back\n");
+        rudder_out_sample(out, NULL)->backtrack = 2;
+        return;
+    }
+    if (step->n_seq - step->n_prompt < 8)
+        rudder_out_sample(out, NULL);
+}
+'''
+
+HANG_WAT = controller_wat(mid='(call $log (i32.const 0x200) (i32.const 8)) (loop $l (br $l)) (i32.const 0)',
+                          extra='(data (i32.const 0x200) "hanging\\n")')
+
+
+@pytest.fixture(scope="module")
+def server():
+    cfg = ServerConfig(model="tiny", max_tokens=2000, max_concurrent=8, max_queue=8, max_upload_bytes=1 << 20,
+                       controller_limits={"mid_process_ms": 50})
+    with LiveServer(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def rewind_wasm(tmp_path_factory) -> bytes:
+    d = tmp_path_factory.mktemp("rewind")
+    (d / "rewind.c").write_text(REWIND_C)
+    return build_controller([d / "rewind.c"], d / "rewind.wasm").read_bytes()
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# -- registry -----------------------------------------------------------------------------------
+
+def test_health_models_and_builtin_tags(server):
+    with server.client() as c:
+        assert c.get("/healthz").json()["status"] == "ok"
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        tags = c.get("/v1/controllers/tags").json()
+    for name in ("choices", "fork", "force", "backtrack"):
+        assert name in tags["builtin"]
+        assert tags["tags"][name] == hashlib.sha256(builtin_controller(name).read_bytes()).hexdigest()
+
+
+def test_upload_tag_and_run(server, rewind_wasm):
+    with server.client() as c:
+        r = c.post("/v1/controllers", content=rewind_wasm, headers={"content-type": "application/wasm"})
+        assert r.status_code == 200, r.text
+        info = r.json()
+        assert info["module_id"] == hashlib.sha256(rewind_wasm).hexdigest()
+        assert info["wasm_size"] == len(rewind_wasm) and info["compiled_size"] > 0 and info["time_ms"] >= 0
+        again = c.post("/v1/controllers", content=rewind_wasm).json()
+        assert again["module_id"] == info["module_id"]  # content-addressed: one module
+
+        assert c.post("/v1/controllers/tags", json={"tag": "rewind", "module_id": info["module_id"]}).status_code == 200
+        assert c.get("/v1/controllers/tags").json()["tags"]["rewind"] == info["module_id"]
+        listed = {m["module_id"]: m for m in c.get("/v1/controllers").json()["data"]}
+        assert "rewind" in listed[info["module_id"]]["tags"]
+
+        by_tag = c.post("/v1/run", json={"controller": "rewind", "controller_arg": "Hello!", "prompt": "x",
+                                         "stream": False, "seed": 3, "max_tokens": 50}).json()
+        by_id = c.post("/v1/run", json={"controller": info["module_id"], "controller_arg": "Hello!", "prompt": "x",
+                                        "stream": False, "seed": 3, "max_tokens": 50}).json()
+    assert by_tag["choices"] == by_id["choices"]
+    [choice] = by_tag["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"].startswith("Hell")  # "Hello!" forced, "o!" taken back, then sampled on
+    assert by_tag["usage"]["ff_tokens"] == 6 and by_tag["usage"]["sampled_tokens"] >= 1
+    assert "rewind: taking 2 tokens back" in by_tag["log"]
+    assert by_tag["timings"]["controller_ms"] > 0 and by_tag["timings"]["forward_ms"] > 0
+
+
+def test_upload_errors(server):
+    with server.client() as c:
+        bad = c.post("/v1/controllers", content=b"\0asm\x01\0\0\0garbage")
+        assert bad.status_code == 400
+        err = bad.json()["error"]
+        assert err["type"] == "controller_error" and err["kind"] == "bad_module" and err["message"]
+        big = c.post("/v1/controllers", content=b"\0" * ((1 << 20) + 1))
+        assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
+        assert c.post("/v1/controllers/tags", json={"tag": "x", "module_id": "0" * 64}).status_code == 404
+        force_id = c.get("/v1/controllers/tags").json()["tags"]["force"]
+        assert c.post("/v1/controllers/tags", json={"tag": "fork", "module_id": force_id}).status_code == 403
+
+
+def test_request_errors_are_json(server):
+    with server.client() as c:
+        cases = [
+            (c.post("/v1/run", json={"prompt": "x", "max_tokens": 0}), 400, "invalid_request"),
+            (c.post("/v1/run", json={"prompt": "x", "max_tokens": 5000}), 400, "invalid_request"),
+            (c.post("/v1/run", json={"max_tokens": 5}), 400, "invalid_request"),
+            (c.post("/v1/run", content=b"{not json", headers={"content-type": "application/json"}), 400, "invalid_request"),
+            (c.post("/v1/run", json={"prompt": "x", "controller": "nope"}), 404, "not_found"),
+            (c.post("/v1/run", json={"prompt": "x", "controller": "fork", "controller_limits": {"bogus": 1}}),
+             400, "invalid_request"),
+            (c.get("/v1/nothing"), 404, "not_found"),
+        ]
+    for r, status, kind in cases:
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert body["error"]["type"] == kind and body["error"]["message"]
+        assert "Traceback" not in r.text
+
+
+def test_controller_start_error_carries_log_tail(server):
+    with server.client() as c:
+        r = c.post("/v1/run", json={"prompt": "x", "controller": "fork", "controller_arg": "many"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "controller_error" and err["kind"] == "start"
+    assert "the argument must be a number" in err["log_tail"]
+
+
+def test_request_limits_only_lower_the_servers(server):
+    with server.client() as c:
+        lowered = c.post("/v1/run", json={"prompt": "x", "controller": "fork", "controller_arg": "3",
+                                          "controller_limits": {"max_forks": 2}})
+        hang = c.post("/v1/controllers", content=bytes(wasmtime.wat2wasm(HANG_WAT))).json()["module_id"]
+        t0 = time.monotonic()
+        raised = c.post("/v1/run", json={"prompt": "x", "controller": hang, "stream": False,
+                                         "controller_limits": {"mid_process_ms": 60000}})
+        elapsed = time.monotonic() - t0
+    assert lowered.status_code == 400 and "max_forks 2" in lowered.json()["error"]["log_tail"]
+    # asking for a 60 s step gets the server's 50 ms
+    assert raised.status_code == 400 and raised.json()["error"]["kind"] == "timeout" and elapsed < 10
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+def test_sse_stream_with_backtrack(server, rewind_wasm):
+    with server.client() as c:
+        module_id = c.post("/v1/controllers", content=rewind_wasm).json()["module_id"]
+        texts: dict[int, str] = {}
+        events = []
+        with c.stream("POST", "/v1/run", json={"controller": module_id, "controller_arg": "Hello!",
+                                               "prompt": "x", "seed": 1, "max_tokens": 50}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for event in sse_events(r):
+                events.append(event)
+                if event["type"] == "step":
+                    apply_deltas(texts, event["deltas"])
+    steps, done = events[:-1], events[-1]
+    assert all(e["type"] == "step" for e in steps) and done["type"] == "done"
+    assert any(d["backtrack"] == 2 for e in steps for d in e["deltas"])   # "o!" taken back
+    assert any("rewind:" in e.get("log", "") for e in steps)
+    assert texts[0] == done["choices"][0]["text"]
+    assert done["usage"]["ff_tokens"] == 6
+    assert done["usage"]["completion_tokens"] == len(
+        [t for e in steps for d in e["deltas"] for t in d["token_ids"]]) - 2  # 2 taken back
+
+
+def test_fork_controller_returns_several_choices(server):
+    with server.client() as c:
+        done = [e for e in sse_events(c.post("/v1/run", json={"prompt": "x", "controller": "fork",
+                                                                 "controller_arg": "3", "max_tokens": 6, "seed": 2}))]
+    assert done[-1]["type"] == "done"
+    choices = done[-1]["choices"]
+    assert sorted(ch["branch"] for ch in choices) == [0, 1, 2]
+    assert done[-1]["usage"]["forks"] == 2
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
+                                         max_tokens=5, seed=4)
+    assert sorted(ch.index for ch in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == 15 and out.usage.prompt_tokens > 0  # 3 choices of 5 tokens
+
+
+def test_openai_client_streams_and_extension(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    forced = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=20, extra_body={"rudder": {"controller": "force",
+                                                                                  "controller_arg": "Ahoy"}})
+    assert forced.choices[0].message.content == "Ahoy" and forced.choices[0].finish_reason == "stop"
+
+    chunks = list(client.completions.create(model="tiny", prompt="abc", max_tokens=7, seed=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    whole = client.completions.create(model="tiny", prompt="abc", max_tokens=7, seed=5)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 7
+
+    import openai
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"rudder": {"controller": "no-such-tag"}})
+    assert "no-such-tag" in str(e.value)
+
+
+# -- hostile controllers, limits, disconnects -------------------------------------------------------
+
+def test_hostile_controller_fails_alone(server):
+    wasm = bytes(wasmtime.wat2wasm(HANG_WAT))
+    with server.client() as c:
+        hang = c.post("/v1/controllers", content=wasm).json()["module_id"]
+
+    def bad():
+        with server.client() as c:
+            return c.post("/v1/run", json={"prompt": "x", "controller": hang, "stream": False, "max_tokens": 10})
+
+    def bad_stream():
+        with server.client() as c:
+            return list(sse_events(c.post("/v1/run", json={"prompt": "x", "controller": hang, "max_tokens": 10})))
+
+    def good():
+        with server.client() as c:
+            return c.post("/v1/run", json={"prompt": "hello", "controller": "fork", "controller_arg": "2",
+                                           "stream": False, "max_tokens": 30, "seed": 1})
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        f_bad, f_stream, f_good = pool.submit(bad), pool.submit(bad_stream), pool.submit(good)
+        r_bad, events, r_good = f_bad.result(), f_stream.result(), f_good.result()
+
+    assert r_bad.status_code == 400
+    err = r_bad.json()["error"]
+    assert err["type"] == "controller_error" and err["kind"] == "timeout"
+    assert "hanging" in err["log_tail"]
+    assert events[-1]["type"] == "done" and events[-1]["error"]["kind"] == "timeout"
+    assert events[-1]["choices"][0]["finish_reason"] == "error"
+
+    assert r_good.status_code == 200
+    assert [ch["finish_reason"] for ch in r_good.json()["choices"]] == ["length", "length"]
+    assert server.metrics()['rudder_failures_total{kind="timeout"}'] >= 2
+
+
+def test_disconnect_frees_kv_blocks_and_request(server):
+    before = server.metrics()
+    total = before["rudder_kv_blocks_total"]
+    assert wait_for(lambda: server.metrics()["rudder_kv_blocks_free"] == total)
+    with server.client() as c:
+        with c.stream("POST", "/v1/run", json={"prompt": "a long prompt " * 20, "controller": "fork",
+                                               "controller_arg": "2", "max_tokens": 2000, "seed": 7,
+                                               "ignore_eos": True}) as r:
+            events = sse_events(r)
+            seen = [next(events) for _ in range(3)]
+            during = server.metrics()
+        # the connection is closed here, mid-stream
+    assert all(e["type"] == "step" for e in seen)
+    assert during["rudder_engine_requests"] == 1 and during["rudder_kv_blocks_free"] < total
+    assert wait_for(lambda: server.metrics()["rudder_cancelled_total"] == before["rudder_cancelled_total"] + 1)
+    after = server.metrics()
+    assert after["rudder_kv_blocks_free"] == total
+    assert after["rudder_engine_requests"] == 0 and after["rudder_requests_running"] == 0
+
+
+def test_queue_full_is_429_and_restricted_mode():
+    cfg = ServerConfig(model="tiny", restricted=True, max_concurrent=1, max_queue=0, max_tokens=4000)
+    with LiveServer(cfg) as s, s.client() as c:
+        assert c.post("/v1/controllers", content=b"\0asm").json()["error"]["type"] == "forbidden"
+        with c.stream("POST", "/v1/run", json={"prompt": "x", "controller": "fork", "controller_arg": "1",
+                                               "max_tokens": 4000, "ignore_eos": True}) as r:
+            events = sse_events(r)
+            assert next(events)["type"] == "step"  # it runs
+            busy = httpx.post(s.url + "/v1/run", json={"prompt": "y", "max_tokens": 3})
+        assert busy.status_code == 429 and busy.json()["error"]["type"] == "too_many_requests"
+        assert wait_for(lambda: s.metrics()["rudder_requests_running"] == 0)
+        assert c.post("/v1/run", json={"prompt": "y", "max_tokens": 3, "stream": False}).status_code == 200
+
+
+# -- the real model -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_folder):
+    with LiveServer(ServerConfig(model="smollm2", max_tokens=512)) as s:
+        yield s
+
+
+@pytest.mark.model
+def test_openai_stream_matches_whole_response(smol_server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=smol_server.url + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    whole = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == whole.choices[0].message.content
+    assert len(streamed.split()) >= 3
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+@pytest.mark.model
+def test_json_schema_chat_completion_validates(smol_server):
+    from openai import OpenAI
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    client = OpenAI(base_url=smol_server.url + "/v1", api_key="unused")
+    out = client.chat.completions.create(
+        model="smollm2", max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    value = json.loads(out.choices[0].message.content)
+    jsonschema.validate(value, schema)
+
+
+def test_regex_extension_maps_onto_the_regex_controller(server):
+    from openai import OpenAI
+
+    if "regex" not in httpx.get(server.url + "/v1/controllers/tags").json()["tags"]:
+        pytest.fail("the built-in regex controller is missing")
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a number"}],
+                                             max_tokens=8, seed=seed, extra_body={"rudder": {"regex": "[0-9]+"}})
+        assert re.fullmatch("[0-9]+", out.choices[0].message.content), out.choices[0].message.content
