@@ -967,6 +967,18 @@ static int32_t only_byte(rudder_grammar *g, uint32_t s, uint32_t lexer) {
     return found;
 }
 
+bool rudder_gm_can_continue(rudder_grammar *g) {
+    drop_tentative(g);
+    uint32_t s = g->n_real - 1, lex = lexer_now(g);
+    bool any = false;
+    for (uint32_t b = 0; b < 256 && !any && lex != RUDDER_DEAD; b++) {
+        uint32_t s2 = s;
+        any = step_byte(g, &s2, lex, (uint8_t)b, false) != RUDDER_DEAD;
+    }
+    drop_tentative(g);
+    return any;
+}
+
 uint32_t rudder_gm_forced(rudder_grammar *g, uint8_t *dst, uint32_t cap) {
     drop_tentative(g);
     uint32_t s = g->n_real - 1, lex = g->lexer, n = 0;

@@ -46,6 +46,9 @@ bool rudder_gm_push(rudder_grammar *g, const uint8_t *bytes, uint32_t len);
 /* Is the input so far a complete sentence (may the output end here)? */
 bool rudder_gm_accepting(rudder_grammar *g);
 
+/* Can any byte continue the input? (false with rudder_gm_accepting: the sentence is finished) */
+bool rudder_gm_can_continue(rudder_grammar *g);
+
 /* OR into `mask` every token whose bytes can continue the input (EOS is not included: add it
  * when rudder_gm_accepting). Returns the number of tokens. */
 uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask);
