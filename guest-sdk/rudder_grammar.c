@@ -143,7 +143,7 @@ static bool lex_text(front *f) {
             return true;
         char c = s[i];
         uint32_t start = i;
-        if (is_name_char(c) && !(c >= '0' && c <= '9')) {
+        if (is_name_char(c)) {   /* names, and the numbers of `name.2:` */
             while (i < f->len && is_name_char(s[i]))
                 i++;
             t->k = K_NAME;
