@@ -796,12 +796,17 @@ static uint32_t build_set(rudder_grammar *g, uint32_t parent, const uint32_t *sc
     return si;
 }
 
-/* The lexer's start state after set `s`: the terminals it expects, and the ignored ones. */
+/* The lexer's start state after set `s`: the terminals it expects, and the ignored ones except
+ * before the first lexeme and when no other lexeme can follow (as llguidance: skipped text is
+ * only ever *between* lexemes, the output neither begins nor ends with it). */
 static uint32_t set_start(rudder_grammar *g, uint32_t s) {
     if (g->sets[s].start == NONE) {
         const uint32_t *exp = g->expect + s * g->tw;
+        uint32_t any = 0;
         for (uint32_t w = 0; w < g->tw; w++)
-            g->tmp[w] = exp[w] | g->ignore[w];
+            any |= exp[w];
+        for (uint32_t w = 0; w < g->tw; w++)
+            g->tmp[w] = exp[w] | (g->sets[s].pos && any ? g->ignore[w] : 0);
         g->sets[s].start = rudder_rx_start(g->rx, g->tmp);
     }
     return g->sets[s].start;

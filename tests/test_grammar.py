@@ -413,6 +413,7 @@ def test_masks_agree_with_llguidance_step_by_step(smol_tok, llg_tokenizer, tmp_p
     mod = r.load(probe_module(tmp_path, PROBE))
     special = set(smol_tok.special_token_ids)
     vocab = smol_tok.vocab_size
+    compared = forced = 0
     for doc in AGREEMENT_DOCS[name]:
         ctl = r.start(mod, GRAMMARS[name])
         m = llg_matcher(llg_tokenizer, GRAMMARS[name])
@@ -421,14 +422,22 @@ def test_masks_agree_with_llguidance_step_by_step(smol_tok, llg_tokenizer, tmp_p
         for step, t in enumerate([*ids, None]):
             ours = set(allowed_ids(branches[0].mask, vocab).tolist()) - special if branches else set()
             theirs = llg_allowed(m, vocab) - special
-            assert ours == theirs, (doc, step, sorted(ours ^ theirs)[:20],
-                                    [smol_tok.token_bytes[x] for x in sorted(ours ^ theirs)[:20]])
+            diff = sorted(ours ^ theirs)[:20]
+            if m.compute_ff_bytes():
+                # bytes are forced: llguidance keeps only the tokens of their canonical
+                # tokenization (our controller fast-forwards those bytes instead)
+                assert theirs <= ours, (doc, step, diff)
+                forced += 1
+            else:
+                assert ours == theirs, (doc, step, diff, [smol_tok.token_bytes[x] for x in diff])
+                compared += 1
             if t is None:
                 assert m.is_accepting() and branches and (branches[0].mask[0] >> 2) & 1   # EOS both
                 break
             assert m.consume_token(t)
             branches = ctl.mid_process(0, 0, [t])
         ctl.close()
+    assert compared > 2 * forced
 
 
 # ---------------------------------------------------------------------------- with the model
