@@ -681,6 +681,9 @@ struct rudder_grammar {
     uint32_t *wl, *ws;      /* walk stacks: lexer state and set per depth */
     uint32_t *we;
     uint32_t max_depth;
+    struct lexer_info *infos;   /* per lexer state (see info_of) */
+    uint32_t cap_infos;
+    uint32_t info_bytes;
 };
 
 uint32_t rudder_gm_n_terminals(const rudder_grammar *g) { return g->n_terms; }
@@ -920,39 +923,119 @@ bool rudder_gm_accepting(rudder_grammar *g) {
     return ok;
 }
 
-uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask) {
-    const rudder_trie *t = rudder_trie_get();
-    const uint32_t *nodes = t->nodes;
+/* OR into `mask` the tokens of trie nodes [first, end) (a node's subtree follows it) whose bytes
+ * continue (lexer, s); the walk crosses lexeme boundaries by parsing tentatively. */
+static void walk_range(rudder_grammar *g, uint32_t *mask, uint32_t first, uint32_t end, uint32_t lexer, uint32_t s) {
+    const uint32_t *nodes = rudder_trie_get()->nodes;
     uint32_t *ends = g->we, *lexs = g->wl, *sets = g->ws;
-    uint32_t n = t->n_nodes, depth = 0, count = 0, i = 1;
-    drop_tentative(g);
-    ends[0] = n;
-    lexs[0] = lexer_now(g);
-    sets[0] = g->n_real - 1;
-    if (lexs[0] == RUDDER_DEAD)
-        return 0;
-    while (i < n) {
+    uint32_t depth = 0, i = first;
+    ends[0] = end;
+    lexs[0] = lexer;
+    sets[0] = s;
+    while (i < end) {
         while (i >= ends[depth])
             depth--;
-        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1], s = sets[depth];
-        uint32_t l = step_byte(g, &s, lexs[depth], (uint8_t)w0, false);
+        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1], s2 = sets[depth];
+        uint32_t l = step_byte(g, &s2, lexs[depth], (uint8_t)w0, false);
         if (l == RUDDER_DEAD) {
             i += size;
             continue;
         }
         uint32_t tok1 = w0 >> 8;
-        if (tok1) {
+        if (tok1)
             mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
-            count++;
-        }
         if (size > 1) {
             ends[++depth] = i + size;
             lexs[depth] = l;
-            sets[depth] = s;
+            sets[depth] = s2;
         }
         i++;
     }
+}
+
+/* What a mask from lexer state L needs that does not depend on the parse, built on first use:
+ * the tokens that stay inside the current lexeme, and the trie nodes where the lexeme ends
+ * (the byte of node i cannot extend the accepting state before it) as pairs (i, state). */
+typedef struct lexer_info {
+    uint32_t *mask;
+    uint32_t *ends;
+    uint32_t n_ends;
+} lexer_info;
+
+#define INFO_BUDGET (24u << 20)   /* bytes of cached masks and end lists; past it, walk directly */
+
+static const lexer_info *info_of(rudder_grammar *g, uint32_t L) {
+    if (L >= g->cap_infos) {
+        uint32_t old = g->cap_infos, cap = old ? old : 64;
+        while (cap <= L)
+            cap *= 2;
+        g->infos = xrealloc(g->infos, cap * sizeof(lexer_info));
+        memset(g->infos + old, 0, (cap - old) * sizeof(lexer_info));
+        g->cap_infos = cap;
+    }
+    if (g->infos[L].mask)
+        return &g->infos[L];
+    if (g->info_bytes > INFO_BUDGET)
+        return 0;
+    const rudder_trie *t = rudder_trie_get();
+    const uint32_t *nodes = t->nodes;
+    uint32_t *ends = g->we, *lexs = g->wl, n = t->n_nodes, depth = 0, i = 1;
+    uint32_t *mask = rudder_mask_new(), *list = 0, n_list = 0, cap_list = 0;
+    if (!mask)
+        rudder_panic("grammar: out of memory");
+    ends[0] = n;
+    lexs[0] = L;
+    while (i < n) {
+        while (i >= ends[depth])
+            depth--;
+        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
+        uint32_t l = rudder_rx_push(g->rx, lexs[depth], (uint8_t)w0);
+        if (l == RUDDER_DEAD) {
+            if (rudder_rx_accepting(g->rx, lexs[depth])) {
+                GROW(list, n_list, cap_list, n_list + 2);
+                list[n_list++] = i;
+                list[n_list++] = lexs[depth];
+            }
+            i += size;
+            continue;
+        }
+        uint32_t tok1 = w0 >> 8;
+        if (tok1)
+            mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+        if (size > 1) {
+            ends[++depth] = i + size;
+            lexs[depth] = l;
+        }
+        i++;
+    }
+    g->info_bytes += rudder_mask_words() * 4 + cap_list * 4;
+    lexer_info *info = &g->infos[L];   /* rx_push may have added states, not infos */
+    *info = (lexer_info){mask, list, n_list / 2};
+    return info;
+}
+
+uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask) {
+    const uint32_t *nodes = rudder_trie_get()->nodes;
     drop_tentative(g);
+    uint32_t s = g->n_real - 1, L = lexer_now(g), words = rudder_mask_words(), count = 0;
+    if (L == RUDDER_DEAD)
+        return 0;
+    const lexer_info *info = info_of(g, L);
+    if (!info) {
+        walk_range(g, mask, 1, rudder_trie_get()->n_nodes, L, s);
+    } else {
+        for (uint32_t w = 0; w < words; w++)
+            mask[w] |= info->mask[w];
+        for (uint32_t k = 0; k < info->n_ends; k++) {   /* the tokens that end this lexeme */
+            uint32_t i = info->ends[2 * k], c = lexeme_end(g, s, info->ends[2 * k + 1], false);
+            uint32_t st = c == NONE ? RUDDER_DEAD : set_start(g, c);
+            if (st != RUDDER_DEAD)
+                walk_range(g, mask, i, i + nodes[2 * i + 1], st, c);
+        }
+    }
+    drop_tentative(g);
+    for (uint32_t w = 0; w < words; w++)
+        count += (uint32_t)__builtin_popcount(mask[w]);
     return count;
 }
 
@@ -1008,6 +1091,11 @@ void rudder_gm_free(rudder_grammar *g) {
     if (!g)
         return;
     rudder_rx_free(g->rx);
+    for (uint32_t i = 0; i < g->cap_infos; i++) {
+        rudder_free(g->infos[i].mask);
+        rudder_free(g->infos[i].ends);
+    }
+    rudder_free(g->infos);
     void *blocks[] = {g->ignore, g->syms, g->lhs, g->nt_rules, g->nt_off, g->nullable, g->sets, g->expect,
                       g->items, g->hash, g->hstamp, g->pred, g->children, g->tmp, g->wl, g->ws, g->we};
     for (uint32_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)

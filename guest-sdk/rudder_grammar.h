@@ -50,7 +50,7 @@ bool rudder_gm_accepting(rudder_grammar *g);
 bool rudder_gm_can_continue(rudder_grammar *g);
 
 /* OR into `mask` every token whose bytes can continue the input (EOS is not included: add it
- * when rudder_gm_accepting). Returns the number of tokens. */
+ * when rudder_gm_accepting). Returns the number of tokens set in `mask` afterwards. */
 uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask);
 
 /* The bytes that must come next whatever the continuation (a keyword with no alternative...):
