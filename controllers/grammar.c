@@ -4,6 +4,9 @@
 
 /* Forced bytes followed in one go, at most (a longer run continues at the next step). */
 #define MAX_FORCED 1024u
+/* ff lists are offered when at most this many tokens are allowed, each at most this long. */
+#define MAX_LIST_CANDIDATES 16u
+#define MAX_LIST_TOKENS 64u
 
 static rudder_grammar *g;
 static rudder_gm_pos *saved;       /* saved[k]: the parse after k generated tokens */
@@ -61,19 +64,17 @@ static bool follow(const rudder_step *step, rudder_out *out) {
     return true;
 }
 
-/* Fast-forward the bytes the grammar forces (whole UTF-8 characters, tokenized canonically):
- * all their tokens when they finish the sentence, else all but the last, which could merge
- * with the free text after it. false when there is nothing to fast-forward. */
-static bool fast_forward(rudder_out *out) {
-    uint32_t n = rudder_gm_forced(g, run, MAX_FORCED);
+/* The tokens to fast-forward for the bytes the grammar forces now (whole UTF-8 characters,
+ * tokenized canonically): all of them when they finish the sentence, else all but the last,
+ * which could merge with the free text after it. NULL when there are none (free the result). */
+static uint32_t *forced_tokens(uint32_t *n_out) {
+    uint32_t n = rudder_gm_forced(g, run, MAX_FORCED), n_toks, total = 0;
+    *n_out = 0;
     while (n && !rudder_utf8_valid(run, n))
         n--;
-    if (!n || !ff_budget)
-        return false;
-    uint32_t n_toks, total = 0;
-    uint32_t *toks = rudder_tokenize(run, n, &n_toks);
+    uint32_t *toks = n ? rudder_tokenize(run, n, &n_toks) : NULL;
     if (!toks)
-        return false;
+        return NULL;
     for (uint32_t i = 0; i < n_toks; i++) {   /* the tokenizer may drop bytes it has no token for */
         uint32_t len;
         rudder_token_bytes(toks[i], &len);
@@ -84,16 +85,47 @@ static bool fast_forward(rudder_out *out) {
     rudder_gm_restore(g, here);
     if (total != n || (!finished && --n_toks == 0)) {
         rudder_free(toks);
-        return false;
+        return NULL;
     }
-    rudder_out_ff(out, toks, n_toks < ff_budget ? n_toks : ff_budget);
-    rudder_free(toks);
-    return true;
+    *n_out = n_toks;
+    return toks;
+}
+
+/* When few tokens are allowed, give each one after which bytes are forced an ff list: the
+ * token, then the forced tokens (one step instead of several). */
+static void add_ff_lists(rudder_out *out, rudder_branch *b, const uint32_t *mask, uint32_t count) {
+    uint32_t used = 0, words = rudder_mask_words(), list[1 + MAX_LIST_TOKENS];
+    if (count > MAX_LIST_CANDIDATES)
+        return;
+    rudder_gm_pos here = rudder_gm_save(g);
+    for (uint32_t w = 0; w < words; w++)
+        for (uint32_t bits = mask[w]; bits; bits &= bits - 1) {
+            uint32_t t = 32 * w + (uint32_t)__builtin_ctz(bits), len, n;
+            const uint8_t *bytes = rudder_token_bytes(t, &len);
+            if (!len || !rudder_gm_push(g, bytes, len))
+                continue;   /* EOS */
+            uint32_t *toks = forced_tokens(&n);
+            rudder_gm_restore(g, here);
+            if (toks && n <= MAX_LIST_TOKENS && used + 1 + n <= ff_budget) {
+                list[0] = t;
+                memcpy(list + 1, toks, n * sizeof(uint32_t));
+                rudder_out_ff_list(out, b, list, 1 + n);
+                used += 1 + n;
+            }
+            rudder_free(toks);
+        }
 }
 
 void controller_step(const rudder_step *step, rudder_out *out) {
-    if (!follow(step, out) || fast_forward(out))
+    if (!follow(step, out))
         return;
+    uint32_t n_ff;
+    uint32_t *ff = ff_budget ? forced_tokens(&n_ff) : NULL;
+    if (ff) {
+        rudder_out_ff(out, ff, n_ff < ff_budget ? n_ff : ff_budget);
+        rudder_free(ff);
+        return;
+    }
     uint32_t *mask = rudder_out_mask(out);
     uint32_t count = rudder_gm_fill_mask(g, mask);
     if (rudder_gm_accepting(g)) {
@@ -106,5 +138,5 @@ void controller_step(const rudder_step *step, rudder_out *out) {
         rudder_out_fail(out, "grammar: no token of the vocabulary continues the sentence");
         return;
     }
-    rudder_out_sample(out, mask);
+    add_ff_lists(out, rudder_out_sample(out, mask), mask, count);
 }

@@ -357,6 +357,20 @@ def test_forced_text_is_fast_forwarded(rt, smol_tok):
     assert ctl.mid_process(0, 0, b.ff[0]) == []   # complete, nothing can extend it: stop
 
 
+def test_few_choices_get_ff_lists(rt, smol_tok):
+    """Few allowed tokens: each one after which bytes are forced carries the forced tokens."""
+    r = rt(smol_tok)
+    ctl = r.start(r.load(builtin_controller("grammar")), 'start: "yes, definitely" | "no, never"\n')
+    [b] = ctl.mid_process(0, 0, [1, *smol_tok.encode("go")])
+    assert b.mask is not None and b.ff
+    for lst in b.ff:
+        assert (b.mask[lst[0] >> 5] >> (lst[0] & 31)) & 1
+        assert text_of(smol_tok, lst) in (b"yes, definitely", b"no, never")   # they finish it
+    [s] = run_request(r, r.load(builtin_controller("grammar")), 'start: "yes, definitely" | "no, never"\n',
+                      [1, *smol_tok.encode("go")], lambda allowed, seq: allowed[0])
+    assert text_of(smol_tok, s.generated) in (b"yes, definitely", b"no, never") and s.steps == 2
+
+
 # ---------------------------------------------------------------------------- agreement with llguidance
 
 PROBE = r"""
