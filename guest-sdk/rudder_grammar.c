@@ -175,7 +175,7 @@ static bool lex_text(front *f) {
             while (punct[p] && punct[p] != c)
                 p++;
             if (!punct[p])
-                return fail_at(f, t->line, t->col, "unexpected character", &s[i], 1);
+                return fail_at(f, t->line, t->col, "unexpected character", c > 0x20 && c < 0x7f ? &s[i] : 0, 1);
             t->k = kinds[p];
             i++;
         }
