@@ -95,7 +95,7 @@ static uint32_t *forced_tokens(uint32_t *n_out) {
  * token, then the forced tokens (one step instead of several). */
 static void add_ff_lists(rudder_out *out, rudder_branch *b, const uint32_t *mask, uint32_t count) {
     uint32_t used = 0, words = rudder_mask_words(), list[1 + MAX_LIST_TOKENS];
-    if (count > MAX_LIST_CANDIDATES)
+    if (count > MAX_LIST_CANDIDATES || !ff_budget)
         return;
     rudder_gm_pos here = rudder_gm_save(g);
     for (uint32_t w = 0; w < words; w++)
