@@ -681,9 +681,10 @@ struct rudder_grammar {
     uint32_t *wl, *ws;      /* walk stacks: lexer state and set per depth */
     uint32_t *we;
     uint32_t max_depth;
-    struct lexer_info *infos;   /* per lexer state (see info_of) */
-    uint32_t cap_infos;
-    uint32_t info_bytes;
+    struct lexer_info *infos;   /* per (lexer state, restart state): see info_of */
+    uint32_t n_infos, cap_infos, info_bytes;
+    uint32_t *islots, imask;    /* hash of infos; NONE: free */
+    bool skip_ok;               /* no terminal is both ignored and used by a rule */
 };
 
 uint32_t rudder_gm_n_terminals(const rudder_grammar *g) { return g->n_terms; }
@@ -953,33 +954,46 @@ static void walk_range(rudder_grammar *g, uint32_t *mask, uint32_t first, uint32
     }
 }
 
-/* What a mask from lexer state L needs that does not depend on the parse, built on first use:
- * the tokens that stay inside the current lexeme, and the trie nodes where the lexeme ends
- * (the byte of node i cannot extend the accepting state before it) as pairs (i, state). */
+/* What a mask from lexer state L needs that does not depend on the parse, built on first use
+ * for the pair (L, restart): restart is the start state of the current set, where the lexer
+ * begins again after a lexeme of ignored terminals (the parse does not change there). Kept:
+ * the tokens that stay inside this lexeme or continue after ignored ones; their first bytes;
+ * the trie nodes below the root where a lexeme of real terminals ends (the node's byte cannot
+ * extend the accepting state before it) as pairs (node, state). Where L itself accepts real
+ * terminals, every root child it cannot continue is such an end too (not listed: fill_from). */
 typedef struct lexer_info {
+    uint32_t lexer, restart;
     uint32_t *mask;
     uint32_t *ends;
     uint32_t n_ends;
+    uint32_t first[8];    /* bitset of bytes */
 } lexer_info;
 
 #define INFO_BUDGET (24u << 20)   /* bytes of cached masks and end lists; past it, walk directly */
 
-static const lexer_info *info_of(rudder_grammar *g, uint32_t L) {
-    if (L >= g->cap_infos) {
-        uint32_t old = g->cap_infos, cap = old ? old : 64;
-        while (cap <= L)
-            cap *= 2;
-        g->infos = xrealloc(g->infos, cap * sizeof(lexer_info));
-        memset(g->infos + old, 0, (cap - old) * sizeof(lexer_info));
-        g->cap_infos = cap;
+/* Does `state` accept only ignored terminals (so the lexeme it ends is skipped)? */
+static bool accepts_only_ignored(rudder_grammar *g, uint32_t state) {
+    if (!g->skip_ok || !rudder_rx_accepting(g->rx, state))
+        return false;
+    const uint32_t *acc = rudder_rx_accept_set(g->rx, state);
+    for (uint32_t w = 0; w < g->tw; w++)
+        if (acc[w] & ~g->ignore[w])
+            return false;
+    return true;
+}
+
+static const lexer_info *info_of(rudder_grammar *g, uint32_t L, uint32_t restart) {
+    uint32_t h = (L * 0x9e3779b1u ^ restart * 0x85ebca77u) & g->imask;
+    for (; g->islots[h] != NONE; h = (h + 1) & g->imask) {
+        const lexer_info *in = &g->infos[g->islots[h]];
+        if (in->lexer == L && in->restart == restart)
+            return in;
     }
-    if (g->infos[L].mask)
-        return &g->infos[L];
-    if (g->info_bytes > INFO_BUDGET)
+    if (g->info_bytes > INFO_BUDGET || 2 * (g->n_infos + 1) > g->imask + 1)
         return 0;
     const rudder_trie *t = rudder_trie_get();
     const uint32_t *nodes = t->nodes;
-    uint32_t *ends = g->we, *lexs = g->wl, n = t->n_nodes, depth = 0, i = 1;
+    uint32_t *ends = g->we, *lexs = g->wl, n = t->n_nodes, depth = 0, i = 1, first[8] = {0};
     uint32_t *mask = rudder_mask_new(), *list = 0, n_list = 0, cap_list = 0;
     if (!mask)
         rudder_panic("grammar: out of memory");
@@ -988,17 +1002,21 @@ static const lexer_info *info_of(rudder_grammar *g, uint32_t L) {
     while (i < n) {
         while (i >= ends[depth])
             depth--;
-        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
-        uint32_t l = rudder_rx_push(g->rx, lexs[depth], (uint8_t)w0);
+        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1], p = lexs[depth];
+        uint32_t l = rudder_rx_push(g->rx, p, (uint8_t)w0);
+        if (l == RUDDER_DEAD && accepts_only_ignored(g, p))
+            l = rudder_rx_push(g->rx, restart, (uint8_t)w0);   /* skipped: the next lexeme begins */
+        else if (l == RUDDER_DEAD && depth > 0 && rudder_rx_accepting(g->rx, p)) {
+            GROW(list, n_list, cap_list, n_list + 2);
+            list[n_list++] = i;
+            list[n_list++] = p;
+        }
         if (l == RUDDER_DEAD) {
-            if (rudder_rx_accepting(g->rx, lexs[depth])) {
-                GROW(list, n_list, cap_list, n_list + 2);
-                list[n_list++] = i;
-                list[n_list++] = lexs[depth];
-            }
             i += size;
             continue;
         }
+        if (depth == 0)
+            setbit(first, w0 & 255);
         uint32_t tok1 = w0 >> 8;
         if (tok1)
             mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
@@ -1008,31 +1026,68 @@ static const lexer_info *info_of(rudder_grammar *g, uint32_t L) {
         }
         i++;
     }
-    g->info_bytes += rudder_mask_words() * 4 + cap_list * 4;
-    lexer_info *info = &g->infos[L];   /* rx_push may have added states, not infos */
-    *info = (lexer_info){mask, list, n_list / 2};
+    g->info_bytes += rudder_mask_words() * 4 + cap_list * 4 + sizeof(lexer_info);
+    GROW(g->infos, g->n_infos, g->cap_infos, g->n_infos + 1);
+    lexer_info *info = &g->infos[g->n_infos];
+    *info = (lexer_info){L, restart, mask, list, n_list / 2, {0}};
+    memcpy(info->first, first, sizeof first);
+    g->islots[h] = g->n_infos++;   /* the walk added no infos: slot h is still free */
     return info;
 }
 
-uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask) {
+/* The tokens continuing the listed ends of `info`, the lexeme before them having come after set s. */
+static void fill_ends(rudder_grammar *g, uint32_t *mask, const lexer_info *info, uint32_t s) {
     const uint32_t *nodes = rudder_trie_get()->nodes;
-    drop_tentative(g);
-    uint32_t s = g->n_real - 1, L = lexer_now(g), words = rudder_mask_words(), count = 0;
-    if (L == RUDDER_DEAD)
-        return 0;
-    const lexer_info *info = info_of(g, L);
+    for (uint32_t k = 0; k < info->n_ends; k++) {
+        uint32_t i = info->ends[2 * k], c = lexeme_end(g, s, info->ends[2 * k + 1], false);
+        uint32_t st = c == NONE ? RUDDER_DEAD : set_start(g, c);
+        if (st != RUDDER_DEAD)
+            walk_range(g, mask, i, i + nodes[2 * i + 1], st, c);
+    }
+}
+
+/* OR in the tokens that continue (L, set s). */
+static void fill_from(rudder_grammar *g, uint32_t *mask, uint32_t L, uint32_t s) {
+    uint32_t words = rudder_mask_words(), restart = set_start(g, s);
+    const lexer_info *info = info_of(g, L, restart);
     if (!info) {
         walk_range(g, mask, 1, rudder_trie_get()->n_nodes, L, s);
-    } else {
-        for (uint32_t w = 0; w < words; w++)
-            mask[w] |= info->mask[w];
-        for (uint32_t k = 0; k < info->n_ends; k++) {   /* the tokens that end this lexeme */
-            uint32_t i = info->ends[2 * k], c = lexeme_end(g, s, info->ends[2 * k + 1], false);
-            uint32_t st = c == NONE ? RUDDER_DEAD : set_start(g, c);
-            if (st != RUDDER_DEAD)
-                walk_range(g, mask, i, i + nodes[2 * i + 1], st, c);
-        }
+        return;
     }
+    for (uint32_t w = 0; w < words; w++)
+        mask[w] |= info->mask[w];
+    fill_ends(g, mask, info, s);
+    if (accepts_only_ignored(g, L))
+        return;   /* the info's walk went on after this lexeme already */
+    /* Tokens that end a lexeme of real terminals at their first byte: they begin the next
+     * lexeme. When no first byte could do both, that is the next start state's own info. */
+    uint32_t c = lexeme_end(g, s, L, false), st = c == NONE ? RUDDER_DEAD : set_start(g, c);
+    if (st == RUDDER_DEAD)
+        return;
+    uint32_t at = (uint32_t)(info - g->infos);
+    const lexer_info *next = info_of(g, st, st);
+    info = &g->infos[at];   /* info_of may have moved the array */
+    bool disjoint = next != 0;
+    for (uint32_t w = 0; w < 8 && disjoint; w++)
+        disjoint = (info->first[w] & next->first[w]) == 0;
+    if (disjoint) {
+        for (uint32_t w = 0; w < words; w++)
+            mask[w] |= next->mask[w];
+        fill_ends(g, mask, next, c);   /* st does not accept: all its ends are listed */
+        return;
+    }
+    const rudder_trie *t = rudder_trie_get();
+    for (uint32_t i = 1; i < t->n_nodes; i += t->nodes[2 * i + 1])
+        if (!bit(info->first, t->nodes[2 * i] & 255))
+            walk_range(g, mask, i, i + t->nodes[2 * i + 1], st, c);
+}
+
+uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask) {
+    drop_tentative(g);
+    uint32_t L = lexer_now(g), words = rudder_mask_words(), count = 0;
+    if (L == RUDDER_DEAD)
+        return 0;
+    fill_from(g, mask, L, g->n_real - 1);
     drop_tentative(g);
     for (uint32_t w = 0; w < words; w++)
         count += (uint32_t)__builtin_popcount(mask[w]);
@@ -1091,7 +1146,8 @@ void rudder_gm_free(rudder_grammar *g) {
     if (!g)
         return;
     rudder_rx_free(g->rx);
-    for (uint32_t i = 0; i < g->cap_infos; i++) {
+    rudder_free(g->islots);
+    for (uint32_t i = 0; i < g->n_infos; i++) {
         rudder_free(g->infos[i].mask);
         rudder_free(g->infos[i].ends);
     }
@@ -1317,6 +1373,13 @@ rudder_grammar *rudder_gm_new(const char *text, uint32_t len, char *err, uint32_
     g->we = rudder_xalloc(4 * (g->max_depth + 2));
     if (!g->nullable || !g->ignore || !g->tmp || !g->nt_off || !g->pred || !g->hstamp || !g->children)
         rudder_panic("grammar: out of memory");
+    g->imask = 4095;
+    g->islots = rudder_xalloc((g->imask + 1) * 4);
+    memset(g->islots, 0xff, (g->imask + 1) * 4);
+    g->skip_ok = true;
+    for (uint32_t i = 0; i < b.n_syms; i++)
+        if (g->syms[i] < g->n_terms && bit(g->ignore, g->syms[i]))
+            g->skip_ok = false;
     build_set(g, NONE, 0);
     g->n_real = g->n_sets;
     g->lexer = RUDDER_GM_BOUNDARY;
