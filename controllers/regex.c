@@ -7,6 +7,8 @@
 #define MAX_LIST_TOKENS 64u
 /* Forced bytes followed in one go, at most (a longer run continues at the next step). */
 #define MAX_FORCED 1024u
+/* Memory for cached masks, at most. */
+#define MAX_MASK_BYTES (16u << 20)
 
 static rudder_rx *rx;
 static uint32_t start_state;
@@ -18,14 +20,16 @@ static uint8_t *run;                              /* scratch for forced bytes */
  * of the tokens after which the constraint forces more bytes, and the fast-forward from the
  * state itself (the forced tokens). */
 typedef struct {
-    const uint32_t *mask;   /* NULL: no token continues */
+    const uint32_t *mask;   /* the cached mask, or NULL (not cached, or no token continues) */
     uint32_t *lists;        /* [len, tokens...] one after another */
     uint32_t n_lists;
     uint32_t *ff, n_ff;     /* NULL: nothing to fast-forward */
-    bool ready, ff_ready;
+    bool ready;             /* the lists are known (the mask may not be cached) */
+    bool empty;             /* no token continues */
+    bool ff_ready;
 } state_info;
 static state_info *infos;
-static uint32_t cap_infos;
+static uint32_t cap_infos, cached_masks;
 
 int controller_start(const char *arg, uint32_t len) {
     static char err[256];
@@ -164,15 +168,22 @@ static const uint32_t *forced_ff(uint32_t state, uint32_t *n) {
     return si->ff;
 }
 
-static const state_info *info(uint32_t state) {
-    if (slot(state)->ready)
-        return slot(state);
-    /* One trie walk gives the mask and the tokens after which bytes are forced. */
-    uint32_t *mask = rudder_mask_new(), limit = ff_budget < MAX_LIST_TOKENS ? ff_budget : MAX_LIST_TOKENS;
+/* The mask of `state` (NULL: no token continues) and, in its slot, its ff lists. Masks are
+ * cached per state up to MAX_MASK_BYTES; past that, a state's mask is rebuilt in the SDK's
+ * per-step mask whenever it is needed (a very long pattern cannot exhaust memory). */
+static const uint32_t *mask_of(uint32_t state, rudder_out *out) {
+    state_info *si = slot(state);
+    if (si->ready && (si->mask || si->empty))
+        return si->mask;
+    bool cache = cached_masks < MAX_MASK_BYTES / (rudder_mask_words() * 4);
+    bool lists_wanted = !si->ready;
+    uint32_t *mask = cache ? rudder_mask_new() : rudder_out_mask(out);
     if (!mask)
         rudder_panic("regex: out of memory");
+    /* One trie walk gives the mask and the tokens after which bytes are forced. */
+    uint32_t limit = ff_budget < MAX_LIST_TOKENS ? ff_budget : MAX_LIST_TOKENS;
     uint32_t cand[MAX_LIST_TOKENS / 2], ends[MAX_LIST_TOKENS / 2];
-    candidates c = {.tokens = cand, .ends = ends, .cap = limit / 2};   /* a list is at least 2 tokens */
+    candidates c = {.tokens = cand, .ends = ends, .cap = lists_wanted ? limit / 2 : 0};   /* a list is >= 2 tokens */
     /* Two calls, so that each inlines its recognizer (no call per trie node). */
     static const rudder_recognizer plain = {.push = push};
     const rudder_recognizer noting = {.push = push, .allow = note_forced, .self = &c};
@@ -197,12 +208,20 @@ static const state_info *info(uint32_t state) {
         used += 2 + n_ff;
         n_lists++;
     }
-    state_info *si = slot(state);
-    si->mask = count ? mask : NULL;
-    si->lists = lists;
-    si->n_lists = n_lists;
-    si->ready = true;
-    return si;
+    si = slot(state);
+    if (lists_wanted) {
+        si->lists = lists;
+        si->n_lists = n_lists;
+        si->ready = true;
+    }
+    si->empty = count == 0;
+    if (cache && count) {
+        si->mask = mask;
+        cached_masks++;
+    } else if (cache) {
+        rudder_free(mask);
+    }
+    return count ? mask : NULL;
 }
 
 void controller_step(const rudder_step *step, rudder_out *out) {
@@ -251,12 +270,13 @@ void controller_step(const rudder_step *step, rudder_out *out) {
         rudder_out_ff(out, ff, n_ff < ff_budget ? n_ff : ff_budget);
         return;
     }
-    const state_info *si = info(state);
-    if (!si->mask) {
+    const uint32_t *mask = mask_of(state, out);
+    if (!mask) {
         rudder_out_fail(out, "regex: no token of the vocabulary continues the match");
         return;
     }
-    rudder_branch *b = rudder_out_sample(out, si->mask);
+    const state_info *si = slot(state);
+    rudder_branch *b = rudder_out_sample(out, mask);
     for (uint32_t i = 0, at = 0; i < si->n_lists; i++) {
         rudder_out_ff_list(out, b, si->lists + at + 1, si->lists[at]);
         at += 1 + si->lists[at];
