@@ -377,19 +377,26 @@ def test_few_choices_get_ff_lists(rt, smol_tok):
 PROBE = r"""
 #include "rudder.h"
 #include "rudder_grammar.h"
-/* Follows the appended tokens and answers the full mask at every step (no fast-forward). */
+/* Follows the appended tokens (and backtracks) and answers the full mask at every step (no
+ * fast-forward). */
 static rudder_grammar *g;
+static rudder_gm_pos saved[4096];
+static uint32_t n_gen;
 int controller_start(const char *arg, uint32_t len) {
     static char err[256];
     g = rudder_gm_new(arg, len, err, sizeof err);
     if (!g) { rudder_logf("%s\n", err); return 1; }
+    saved[0] = rudder_gm_save(g);
     return 0;
 }
 void controller_step(const rudder_step *step, rudder_out *out) {
-    for (uint32_t i = 0; step->index > 0 && i < step->n_tokens; i++) {
+    n_gen = step->backtrack > n_gen ? 0 : n_gen - step->backtrack;
+    rudder_gm_restore(g, saved[n_gen]);
+    for (uint32_t i = 0; step->index > 0 && i < step->n_tokens && n_gen < 4095; i++) {
         uint32_t len;
         const uint8_t *b = rudder_token_bytes(step->tokens[i], &len);
         if (!rudder_gm_push(g, b, len)) { rudder_out_fail(out, "rejected"); return; }
+        saved[++n_gen] = rudder_gm_save(g);
     }
     uint32_t *mask = rudder_out_mask(out);
     uint32_t n = rudder_gm_fill_mask(g, mask);
