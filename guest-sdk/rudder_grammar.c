@@ -97,7 +97,11 @@ typedef struct {
     uint32_t n_ignores, cap_ignores;
     msg err;
     bool failed;
+    uint32_t depth;        /* nesting of groups (parse) or of terminals (expansion) */
 } front;
+
+/* Deeper nesting is refused: the recursion over it must fit the controller's stack. */
+#define MAX_NESTING 64u
 
 static bool fail_at(front *f, uint32_t line, uint32_t col, const char *what, const char *name, uint32_t name_len) {
     if (f->failed)
@@ -277,6 +281,8 @@ static uint32_t parse_seq(front *f) {
 
 static uint32_t parse_alts(front *f) {
     uint32_t alt = new_node(f, N_ALT, peek(f, 0)), last = NONE;
+    if (++f->depth > MAX_NESTING)
+        return fail_at(f, peek(f, 0)->line, peek(f, 0)->col, "groups nested too deeply", 0, 0), NONE;
     while (true) {
         uint32_t s = parse_seq(f);
         if (s == NONE)
@@ -286,8 +292,10 @@ static uint32_t parse_alts(front *f) {
         else
             f->nodes[last].next = s;
         last = s;
-        if (peek(f, 0)->k != K_PIPE)
+        if (peek(f, 0)->k != K_PIPE) {
+            f->depth--;
             return alt;
+        }
         f->at++;
     }
 }
@@ -427,11 +435,14 @@ static bool expand_def(front *f, uint32_t d, sbuf *out) {
     def *df = &f->defs[d];
     if (df->state == 1)
         return fail_at(f, df->line, df->col, "terminal refers to itself:", f->text + df->off, df->len);
+    if (++f->depth > MAX_NESTING)
+        return fail_at(f, df->line, df->col, "terminals nested too deeply:", f->text + df->off, df->len);
     df->state = 1;
     sb_put(out, "(?:", 3);
     bool ok = expand_terminal(f, df->root, out);
     sb_put(out, ")", 1);
     f->defs[d].state = 2;
+    f->depth--;
     return ok;
 }
 

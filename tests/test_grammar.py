@@ -260,6 +260,8 @@ BAD = [
     ('start: /a(/\n', "in a terminal:"),
     ('%import common.NUMBER\nstart: NUMBER\n', "1:1: unsupported directive (only %ignore is) '%import'"),
     ('start.2: "x"\n', "priorities are not supported"),
+    ("start: " + "(" * 200 + '"x"' + ")" * 200 + "\n", "1:72: groups nested too deeply"),
+    ("start: T0\n" + "".join(f"T{i}: T{i + 1}\n" for i in range(100)) + 'T100: "x"\n', "terminals nested too deeply"),
     ('start: "x" |\n  "y" "z" :\n', "2:11: expected a name"),
 ]
 
