@@ -435,7 +435,7 @@ static bool expand_def(front *f, uint32_t d, sbuf *out) {
     def *df = &f->defs[d];
     if (df->state == 1)
         return fail_at(f, df->line, df->col, "terminal refers to itself:", f->text + df->off, df->len);
-    if (++f->depth > MAX_NESTING)
+    if (++f->depth > 4 * MAX_NESTING)
         return fail_at(f, df->line, df->col, "terminals nested too deeply:", f->text + df->off, df->len);
     df->state = 1;
     sb_put(out, "(?:", 3);
@@ -446,8 +446,18 @@ static bool expand_def(front *f, uint32_t d, sbuf *out) {
     return ok;
 }
 
-/* Write a terminal's expression as one regex. */
+static bool expand_node(front *f, uint32_t n, sbuf *out);
+
+/* Write a terminal's expression as one regex (its nesting counts against MAX_NESTING). */
 static bool expand_terminal(front *f, uint32_t n, sbuf *out) {
+    if (++f->depth > 4 * MAX_NESTING)
+        return fail_at(f, f->nodes[n].line, f->nodes[n].col, "terminals nested too deeply", 0, 0);
+    bool ok = expand_node(f, n, out);
+    f->depth--;
+    return ok;
+}
+
+static bool expand_node(front *f, uint32_t n, sbuf *out) {
     node *nd = &f->nodes[n];
     const char *q = nd->k == N_OPT ? "?" : nd->k == N_STAR ? "*" : "+";
     switch (nd->k) {
