@@ -299,7 +299,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(max(7, 5 * len(names)), 4.8), squeeze=False)
     for ax, case in zip(axes[0], names):
         data, labels = [], []
         for eng in ENGINES:
@@ -307,15 +307,15 @@ def plot(results: dict, path: Path) -> None:
             for phase in ("cold", "warm"):
                 if "samples_us" in r:
                     data.append(np.maximum(r["samples_us"][phase], 0.1))
-                    labels.append(f"{eng}\n{phase}")
+                    labels.append(f"{eng} {phase}")
         if data:
             ax.boxplot(data, whis=(1, 99), showfliers=True, flierprops={"markersize": 2})
-            ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
+            ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=35, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("µs per mask")
         ax.axhline(GOALS["p99_us"], color="red", linestyle=":", linewidth=1)
         ax.set_title(case)
-    fig.suptitle("Per-mask time on the SmolLM2 vocabulary (whiskers: p1-p99; red: the p99 goal)")
+    fig.suptitle("Per-mask time on the SmolLM2 vocabulary (whiskers: p1-p99; red: the p99 goal)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
