@@ -357,7 +357,8 @@ def test_builtin_modules_have_exactly_the_abi_surface(debug):
 
 def test_release_modules_are_small():
     for name in BUILTIN_CONTROLLERS:
-        assert builtin_controller(name).stat().st_size < 40_000, name
+        limit = 80_000 if name == "grammar" else 40_000   # a regex engine and an Earley parser
+        assert builtin_controller(name).stat().st_size < limit, name
 
 
 def test_build_error_is_clear(tmp_path):

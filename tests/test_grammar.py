@@ -1,0 +1,533 @@
+"""The `grammar` controller and the guest SDK's grammar engine (guest-sdk/rudder_grammar.c).
+
+- grammar errors: one clear line with line:column, at request start;
+- property: random sentences of several grammars (a small generator over the grammar text,
+  bounded depth), tokenized, are followed token by token: every token is in the mask at its
+  step, fast-forwards stay on the sentence, and the run ends exactly on it;
+- agreement: masks equal llguidance's step by step (SmolLM2 vocabulary, special tokens aside);
+- sampled outputs (SmolLM2, many seeds) are sentences by llguidance's matcher;
+- the CLI end to end.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_controllers import allowed_ids, make_runtime, run_request, text_of  # noqa: E402
+from test_guest_sdk import probe_module  # noqa: E402
+
+from rudder.controller.build import builtin_controller  # noqa: E402
+from rudder.tokenizer import Tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ARITH = (REPO / "examples/grammars/arith.lark").read_text()
+SQL = (REPO / "examples/grammars/sql.lark").read_text()
+JSON = (REPO / "examples/grammars/json.lark").read_text()
+# Ambiguous, left recursive, with an optional (nullable) part and lexemes that merge.
+PARENS = """
+start: s
+s: s s | "(" s? ")" | WORD
+WORD: /[a-z]+/
+"""
+# Nullable rules in a row, a terminal built from other terminals, an ignored comment.
+LIST = """
+start: "[" items "]"
+items: item? ("," item?)*
+item: KEY "=" VALUE | KEY
+KEY: LETTER (LETTER | DIGIT)*
+VALUE: DIGIT+ | "'" LETTER* "'"
+LETTER: /[a-z]/
+DIGIT: /[0-9]/
+COMMENT: /#[^\\n]*\\n/
+%ignore COMMENT
+%ignore " "
+"""
+
+#: Samples for the generator, per grammar: a terminal name or an inline /regex/'s text -> strings
+#: it matches.
+SAMPLES = {
+    "arith": {"NUMBER": ["0", "7", "42", "3.14", "100", "2.5"]},
+    "sql": {"NAME": ["a", "id", "user_name", "t1", "price"], "NUMBER": ["0", "42", "7"],
+            "STRING": ["'x'", "''", "'hello world'"], "OP": ["=", "<", ">=", "!=", "<="]},
+    "json": {"STRING": ['""', '"a"', '"hello"', '"q\\"uote"', '"caf\u00e9"', '"line\\n"', '"\\u00e9"'],
+             "NUMBER": ["0", "-1", "12.5", "3e10", "-0.25E-3", "7"]},
+    "parens": {"WORD": ["a", "xy", "hello"]},
+    "list": {"KEY": ["a", "k9", "name"], "VALUE": ["1", "42", "''", "'abc'"], "COMMENT": ["#note\n"]},
+}
+
+GRAMMARS = {"arith": ARITH, "sql": SQL, "json": JSON, "parens": PARENS, "list": LIST}
+
+
+# ---------------------------------------------------------------------------- a random generator
+
+
+def parse_lark(text: str):
+    """The definitions of a grammar in our Lark subset: name -> expression tree, and whether it
+    has %ignore. Trees: ("alt", [...]), ("seq", [...]), ("opt"|"star"|"plus", x), ("name", n),
+    ("lit", s), ("re", r)."""
+    defs, ignore, current = {}, False, None
+    for line in text.split("\n"):
+        line = re.sub(r"^\s*//.*", "", line)
+        m = re.match(r"^[?!]?([A-Za-z_]\w*)\s*:(.*)", line)
+        if m:
+            current = m.group(1)
+            defs[current] = m.group(2)
+        elif line.startswith("%ignore"):
+            ignore, current = True, None
+        elif line.strip() and current:
+            defs[current] += " " + line.strip()
+    tok = re.compile(r'\s*("(?:[^"\\]|\\.)*"|/(?:[^/\\]|\\.)*/|[A-Za-z_]\w*|[|()\[\]?*+])')
+
+    def parse(src):
+        toks, at = [t for t in tok.findall(src)], [0]
+
+        def peek():
+            return toks[at[0]] if at[0] < len(toks) else None
+
+        def alts():
+            out = [seq()]
+            while peek() == "|":
+                at[0] += 1
+                out.append(seq())
+            return ("alt", out)
+
+        def seq():
+            items = []
+            while peek() not in (None, "|", ")", "]"):
+                t = toks[at[0]]
+                at[0] += 1
+                if t in "([":
+                    x = alts()
+                    at[0] += 1
+                    x = ("opt", x) if t == "[" else x
+                elif t.startswith('"'):
+                    x = ("lit", ast.literal_eval(t))
+                elif t.startswith("/"):
+                    x = ("re", t[1:-1])
+                else:
+                    x = ("name", t)
+                while peek() in ("?", "*", "+"):
+                    x = ({"?": "opt", "*": "star", "+": "plus"}[toks[at[0]]], x)
+                    at[0] += 1
+                items.append(x)
+            return ("seq", items)
+
+        return alts()
+
+    return {name: parse(src) for name, src in defs.items()}, ignore
+
+
+def heights(defs) -> dict:
+    """The least derivation depth of each rule (for bounding the generator)."""
+    h = {n: float("inf") for n in defs}
+
+    def of(x):
+        k = x[0]
+        if k == "alt":
+            return min(of(a) for a in x[1])
+        if k == "seq":
+            return max([of(i) for i in x[1]], default=0)
+        if k in ("opt", "star"):
+            return 0
+        if k == "plus":
+            return of(x[1])
+        if k == "name" and x[1][0].islower():
+            return h[x[1]] + 1
+        return 0
+
+    for _ in range(len(defs) + 2):
+        for n, x in defs.items():
+            if n[0].islower():
+                h[n] = min(h[n], of(x))
+    return h, of
+
+
+def generate(name: str, rng: random.Random, max_depth: int = 6) -> str:
+    text, samples = GRAMMARS[name], SAMPLES[name]
+    defs, ignore = parse_lark(text)
+    _, of = heights(defs)
+    lexemes: list[str] = []
+
+    def gen(x, depth):
+        k = x[0]
+        deep = depth > max_depth
+        if k == "alt":
+            options = x[1] if not deep else sorted(x[1], key=of)[:1]
+            gen(rng.choice(options), depth)
+        elif k == "seq":
+            for i in x[1]:
+                gen(i, depth)
+        elif k == "opt":
+            if not deep and rng.random() < 0.5:
+                gen(x[1], depth)
+        elif k in ("star", "plus"):
+            for _ in range((k == "plus") + (0 if deep else rng.randrange(3))):
+                gen(x[1], depth)
+        elif k == "lit":
+            lexemes.append(x[1])
+        elif k == "re":
+            lexemes.append(rng.choice(samples[x[1]]))
+        elif x[1][0].islower():
+            gen(defs[x[1]], depth + 1)
+        elif x[1] in samples:
+            lexemes.append(rng.choice(samples[x[1]]))
+        else:
+            gen(defs[x[1]], depth)
+
+    gen(defs["start"], 0)
+    out = lexemes[0] if lexemes else ""
+    for lx in lexemes[1:]:
+        glue = (x := out[-1:] + lx[:1]).isalnum() or "_" in x
+        out += (" " if glue or rng.random() < 0.4 else "") if ignore else ""
+        out += lx
+    return out
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def follow_text(target: bytes, tok: Tokenizer):
+    """A picker that steers the run to exactly `target`: the target's own tokens while the run
+    is on them, else the tokens of what is left (after a fast-forward); EOS at the end."""
+    ids = tok.encode(target.decode())
+
+    def pick(allowed, seq):
+        done = text_of(tok, seq.generated)
+        assert target.startswith(done), (done, target)
+        if done == target:
+            t = tok.eos_token_id
+        elif seq.generated == ids[: len(seq.generated)]:
+            t = ids[len(seq.generated)]
+        else:
+            t = tok.encode(target[len(done):].decode())[0]
+        assert t in allowed, (tok.token_bytes[t], done, target)
+        return t
+
+    return pick
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smollm2_folder) -> Tokenizer:
+    return Tokenizer.from_folder(smollm2_folder)
+
+
+@pytest.fixture(scope="module", params=["real", "mini"])
+def rt(request):
+    """A runtime per kind, for any tokenizer (made on demand)."""
+    made = {}
+
+    def get(tok):
+        if id(tok) not in made:
+            made[id(tok)] = make_runtime(request.param, tok)
+        return made[id(tok)]
+
+    yield get
+    for r in made.values():
+        if hasattr(r, "close"):
+            r.close()
+
+
+# ---------------------------------------------------------------------------- errors
+
+BAD = [
+    ("", "the grammar is empty"),
+    ("// nothing\n", "the grammar is empty"),
+    ('expr: "x"\n', "no 'start' rule"),
+    ('start: a\n', "1:8: undefined rule 'a'"),
+    ('start: "x" B\n', "1:12: undefined terminal 'B'"),
+    ('start: "x"\nunused: "y"\n', "2:1: rule is not reachable from start: 'unused'"),
+    ('start: "x"\nT: "y"\n', "2:1: terminal is never used: 'T'"),
+    ('start: "x" start\n', "rule can never finish"),
+    ('start: ("x"\n', "2:1: expected ')'"),
+    ('start: "x\n', "1:8: unterminated string"),
+    ('start: /x\n', "unterminated regex"),
+    ('start: "x"i\n', "1:11: flags after a string or regex are not supported"),
+    ('start: "x" ; "y"\n', "1:12: unexpected character ';'"),
+    ('start: "x"\n\x01\n', "2:1: unexpected character"),
+    ('start: "x"\nstart: "y"\n', "2:1: defined twice: 'start'"),
+    ('start: T\nT: /a*/\n', "2:1: terminal matches the empty string: 'T'"),
+    ('start: T\nT: "a" T\n', "terminal refers to itself: 'T'"),
+    ('start: T\nT: "a" r\nr: "b"\n', "a terminal cannot use the rule 'r'"),
+    ('start: /a(/\n', "in a terminal:"),
+    ('%import common.NUMBER\nstart: NUMBER\n', "1:1: unsupported directive (only %ignore is) '%import'"),
+    ('start.2: "x"\n', "priorities are not supported"),
+    ("start: " + "(" * 200 + '"x"' + ")" * 200 + "\n", "1:72: groups nested too deeply"),
+    ("start: T0\n" + "".join(f"T{i}: T{i + 1}\n" for i in range(300)) + 'T300: "x"\n', "terminals nested too deeply"),
+    ('start: "x" |\n  "y" "z" :\n', "2:11: expected a name"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD, ids=[m for _, m in BAD])
+def test_bad_grammars_fail_at_start_with_a_clear_message(rt, text, message):
+    tok = Tokenizer.byte_level(512)
+    r = rt(tok)
+    with pytest.raises(Exception) as info:
+        r.start(r.load(builtin_controller("grammar")), text)
+    full = f"{info.value}\n{getattr(info.value, 'log_tail', '')}"
+    assert "grammar: " + message in full or message in full, full
+
+
+def test_example_grammars_compile_and_lark_prefixes_are_accepted(rt):
+    tok = Tokenizer.byte_level(512)
+    r = rt(tok)
+    mod = r.load(builtin_controller("grammar"))
+    chain = "start: T0\n" + "".join(f"T{i}: T{i + 1}\n" for i in range(40)) + 'T40: "x"\n'   # nested, not too deep
+    for text in [*GRAMMARS.values(), '?start: x -> alias\n!x: "a"\n    | "b" // comment\n', chain]:
+        r.start(mod, text).close()
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+def check_sentences(r, tok, name, n, seed=0):
+    mod = r.load(builtin_controller("grammar"))
+    rng = random.Random(seed)
+    prompt = [tok.bos_token_id if tok.bos_token_id is not None else 1, *tok.encode("go")]
+    seen = set()
+    for _ in range(n):
+        target = generate(name, rng).encode()
+        seen.add(target)
+        [s] = run_request(r, mod, GRAMMARS[name], prompt, follow_text(target, tok), max_tokens=400)
+        assert text_of(tok, s.generated) == target, s.ctl.log_text()
+        assert s.finish in ("eos", "stop")
+    assert len(seen) > n // 3   # the generator does vary
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_random_sentences_are_followed_token_by_token_tiny_vocab(rt, name):
+    check_sentences(rt(Tokenizer.byte_level(512)), Tokenizer.byte_level(512), name, 6)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_random_sentences_are_followed_token_by_token_smollm2(rt, smol_tok, name):
+    check_sentences(rt(smol_tok), smol_tok, name, 12, seed=1)
+
+
+def test_not_a_sentence_fails_clearly(rt):
+    tok = Tokenizer.byte_level(512)
+    r = rt(tok)
+    ctl = r.start(r.load(builtin_controller("grammar")), ARITH)
+    ctl.mid_process(0, 0, [1, *tok.encode("go")])
+    with pytest.raises(Exception) as info:
+        ctl.mid_process(0, 0, tok.encode("1+)"))
+    full = f"{info.value}\n{getattr(info.value, 'log_tail', '')}"
+    assert "does not continue a sentence" in full
+
+
+def test_backtrack_restores_the_parse(rt):
+    tok = Tokenizer.byte_level(512)
+    r = rt(tok)
+    ctl = r.start(r.load(builtin_controller("grammar")), ARITH)
+    vocab = tok.vocab_size
+
+    def allowed(branches):
+        return {tok.token_bytes[t] for t in allowed_ids(branches[0].mask, vocab)}
+
+    first = allowed(ctl.mid_process(0, 0, [1, *tok.encode("go")]))
+    after_1 = allowed(ctl.mid_process(0, 0, tok.encode("1")))
+    assert b")" not in after_1 and b"+" in after_1
+    after_paren = allowed(ctl.mid_process(0, 0, tok.encode("+(2")))
+    assert b")" in after_paren
+    again = allowed(ctl.mid_process(0, 4, []))   # back to the start
+    assert again == first
+    assert allowed(ctl.mid_process(0, 0, tok.encode("1"))) == after_1
+
+
+def test_forced_text_is_fast_forwarded(rt, smol_tok):
+    """Bytes that no alternative escapes are appended without sampling, canonically tokenized;
+    the last token waits when free text follows (it could merge with it), not at the end."""
+    r = rt(smol_tok)
+    mod = r.load(builtin_controller("grammar"))
+    grammar = 'start: "The answer is: " NUMBER " (final answer)"\nNUMBER: /[0-9]+/\n'
+    ctl = r.start(mod, grammar)
+    [b] = ctl.mid_process(0, 0, [1, *smol_tok.encode("go")])
+    assert b.mask is None and b.ff[0] == smol_tok.encode("The answer is: ")[:-1]
+    [b] = ctl.mid_process(0, 0, b.ff[0])
+    assert b.mask is not None   # the last forced token " " could merge with the number
+    [b] = ctl.mid_process(0, 0, smol_tok.encode(" 42"))
+    assert b.mask is not None   # the number may go on
+    [b] = ctl.mid_process(0, 0, smol_tok.encode(" ("))
+    assert b.mask is None and text_of(smol_tok, b.ff[0]) == b"final answer)"   # to the end
+    assert ctl.mid_process(0, 0, b.ff[0]) == []   # complete, nothing can extend it: stop
+
+
+def test_few_choices_get_ff_lists(rt, smol_tok):
+    """Few allowed tokens: each one after which bytes are forced carries the forced tokens."""
+    r = rt(smol_tok)
+    ctl = r.start(r.load(builtin_controller("grammar")), 'start: "yes, definitely" | "no, never"\n')
+    [b] = ctl.mid_process(0, 0, [1, *smol_tok.encode("go")])
+    assert b.mask is not None and b.ff
+    for lst in b.ff:
+        assert (b.mask[lst[0] >> 5] >> (lst[0] & 31)) & 1
+        assert text_of(smol_tok, lst) in (b"yes, definitely", b"no, never")   # they finish it
+    [s] = run_request(r, r.load(builtin_controller("grammar")), 'start: "yes, definitely" | "no, never"\n',
+                      [1, *smol_tok.encode("go")], lambda allowed, seq: allowed[0])
+    assert text_of(smol_tok, s.generated) in (b"yes, definitely", b"no, never") and s.steps == 2
+
+
+# ---------------------------------------------------------------------------- agreement with llguidance
+
+PROBE = r"""
+#include "rudder.h"
+#include "rudder_grammar.h"
+/* Follows the appended tokens (and backtracks) and answers the full mask at every step (no
+ * fast-forward). */
+static rudder_grammar *g;
+static rudder_gm_pos saved[4096];
+static uint32_t n_gen;
+int controller_start(const char *arg, uint32_t len) {
+    static char err[256];
+    g = rudder_gm_new(arg, len, err, sizeof err);
+    if (!g) { rudder_logf("%s\n", err); return 1; }
+    saved[0] = rudder_gm_save(g);
+    return 0;
+}
+void controller_step(const rudder_step *step, rudder_out *out) {
+    n_gen = step->backtrack > n_gen ? 0 : n_gen - step->backtrack;
+    rudder_gm_restore(g, saved[n_gen]);
+    for (uint32_t i = 0; step->index > 0 && i < step->n_tokens && n_gen < 4095; i++) {
+        uint32_t len;
+        const uint8_t *b = rudder_token_bytes(step->tokens[i], &len);
+        if (!rudder_gm_push(g, b, len)) { rudder_out_fail(out, "rejected"); return; }
+        saved[++n_gen] = rudder_gm_save(g);
+    }
+    uint32_t *mask = rudder_out_mask(out);
+    uint32_t n = rudder_gm_fill_mask(g, mask);
+    if (rudder_gm_accepting(g)) { rudder_mask_set(mask, rudder_eos_token()); n++; }
+    if (n) rudder_out_sample(out, mask);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(smollm2_folder):
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(smollm2_folder / "tokenizer.json"))
+    return llguidance.hf.from_tokenizer(hf, n_vocab=49152, eos_token=2)
+
+
+def llg_matcher(lt, grammar: str):
+    import llguidance
+
+    m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(grammar))
+    assert not m.is_error(), m.get_error()
+    return m
+
+
+def llg_allowed(m, vocab: int) -> set[int]:
+    bits = np.frombuffer(bytes(m.compute_bitmask()), dtype=np.uint8)
+    return set(np.flatnonzero(np.unpackbits(bits, bitorder="little")[:vocab]).tolist())
+
+
+AGREEMENT_DOCS = {
+    "arith": ["1 + 2*(3-4.5)", "((7))/-8", "12.75 * 3 - 1"],
+    "json": ['{"a": [1, 2.5, true], "b": {"c": null}}', '[ "x" , -3e2, {} ]'],
+    "sql": ["SELECT a, COUNT(*) FROM t WHERE a >= 3 AND (b = 'x' OR c < 2) ORDER BY a DESC LIMIT 10;"],
+    "parens": ["(ab(c)d)x(y)()", "hello(world)"],
+    "list": ["[a=1, b9 ,c='x',,#note\n d]", "[]"],
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", list(AGREEMENT_DOCS))
+def test_masks_agree_with_llguidance_step_by_step(smol_tok, llg_tokenizer, tmp_path, name):
+    r = make_runtime("real", smol_tok)
+    mod = r.load(probe_module(tmp_path, PROBE))
+    special = set(smol_tok.special_token_ids)
+    vocab = smol_tok.vocab_size
+    compared = forced = 0
+    for doc in AGREEMENT_DOCS[name]:
+        ctl = r.start(mod, GRAMMARS[name])
+        m = llg_matcher(llg_tokenizer, GRAMMARS[name])
+        ids = smol_tok.encode(doc)
+        branches = ctl.mid_process(0, 0, [1])
+        for step, t in enumerate([*ids, None]):
+            ours = set(allowed_ids(branches[0].mask, vocab).tolist()) - special if branches else set()
+            theirs = llg_allowed(m, vocab) - special
+            diff = sorted(ours ^ theirs)[:20]
+            if m.compute_ff_bytes():
+                # bytes are forced: llguidance keeps only the tokens of their canonical
+                # tokenization (our controller fast-forwards those bytes instead)
+                assert theirs <= ours, (doc, step, diff)
+                forced += 1
+            else:
+                assert ours == theirs, (doc, step, diff, [smol_tok.token_bytes[x] for x in diff])
+                compared += 1
+            if t is None:
+                assert m.is_accepting() and branches and (branches[0].mask[0] >> 2) & 1   # EOS both
+                break
+            assert m.consume_token(t)
+            branches = ctl.mid_process(0, 0, [t])
+        ctl.close()
+    assert compared > 2 * forced
+
+
+# ---------------------------------------------------------------------------- with the model
+
+
+@pytest.fixture(scope="module")
+def smol_llm():
+    from rudder.llm import LLM
+
+    llm = LLM("smollm2")
+    yield llm
+    llm.close()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name,question", [
+    ("arith", "Write an arithmetic expression that equals 10."),
+    ("json", "Describe a cat as a JSON object."),
+    ("sql", "Write a SQL query listing the names of users older than 30."),
+])
+def test_sampled_outputs_are_sentences(smol_llm, llg_tokenizer, name, question):
+    from rudder.engine import SamplingParams
+
+    n = 8
+    params = [SamplingParams(max_tokens=100, temperature=0.7, seed=seed) for seed in range(n)]
+    outs = smol_llm.generate([question] * n, params, chat=True, controller="grammar", controller_arg=GRAMMARS[name])
+    finished = 0
+    for c in outs:
+        assert c.finish_reason in ("stop", "eos", "length"), (c.finish_reason, c.error)
+        m = llg_matcher(llg_tokenizer, GRAMMARS[name])
+        ids = [t for t in c.token_ids if t != 2]
+        assert m.consume_tokens(ids), (c.text, m.get_error())   # always a prefix of a sentence
+        if c.finish_reason != "length":
+            finished += 1
+            assert m.is_accepting(), c.text
+    assert finished >= 2   # (the small model may ramble past max_tokens; what it wrote is still checked)
+
+
+@pytest.mark.model
+def test_cli_runs_the_grammar_controller_and_reports_bad_grammars(tmp_path, smollm2_folder, llg_tokenizer):
+    env = {"PYTHONPATH": str(REPO / "host")}
+    import os
+
+    env = {**os.environ, **env}
+    cmd = [sys.executable, "-m", "rudder.cli", "run", "--controller", "grammar",
+           "--arg", f"@{REPO / 'examples/grammars/arith.lark'}", "--chat", "--max-tokens", "40",
+           "--seed", "3", "What is 2 plus 3? Answer with an arithmetic expression."]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout.strip()
+    m = llg_matcher(llg_tokenizer, ARITH)
+    assert text and m.consume_tokens(llg_tokenizer.tokenize_str(text)) and m.is_accepting(), text
+    bad = tmp_path / "bad.lark"
+    bad.write_text('start: expr\nexpr: "x" | y\n')
+    cmd[cmd.index("--arg") + 1] = f"@{bad}"
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert "2:13: undefined rule 'y'" in out.stderr, out.stderr
