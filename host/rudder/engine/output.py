@@ -42,6 +42,7 @@ class Completion:
     logprobs: list[dict] | None = None
     error: str | None = None
     branches: list["Completion"] = field(default_factory=list, repr=False)  # all forks (LLM.generate)
+    speculative: dict | None = None  # speculative decoding stats of the request (engine/speculative.py)
 
 
 class TextOutput:
