@@ -35,6 +35,8 @@ from .sampler import _keep_nucleus
 
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 32  # positions reserved per draft for controller fast-forwards beyond k
+NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the estimates' start
+NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}
 
 
 @dataclass
@@ -100,10 +102,11 @@ class _Adaptive:
         self.hits = _EMA * self.hits + accepted
         self.tries = _EMA * self.tries + accepted + rejected
 
-    def choose_k(self, k_max: int, t_target: float, t_draft: float) -> int:
+    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True) -> int:
         """The k that maximises expected tokens per second: a draft of k tokens yields
-        (1 - a^(k+1)) / (1 - a) tokens for one target forward plus k draft steps."""
-        a, cost = self.alpha, t_draft + self.ctl_time
+        (1 - a^(k+1)) / (1 - a) tokens for one target forward plus k draft steps (each with a
+        controller call, whose measured time counts when `timed`)."""
+        a, cost = self.alpha, t_draft + (self.ctl_time if timed else 0.0)
         best, best_rate = 1, 0.0
         for k in range(1, k_max + 1):
             rate = (1 - a ** (k + 1)) / (1 - a) / (t_target + k * cost)
@@ -148,8 +151,8 @@ class Speculator:
         self.lookup = PromptLookup()
         self._draft_model: DraftModel | None = None
         self.adaptive: dict[int, _Adaptive] = {}  # by seq_id
-        self.t_target = 0.06  # seconds per verification forward, running estimate
-        self.t_draft = {"lookup": 1e-4, "draft": 0.03}  # seconds per drafted position, per source
+        self.t_target = NOMINAL_T_TARGET  # seconds per verification forward, running estimate
+        self.t_draft = dict(NOMINAL_T_DRAFT)  # seconds per drafted position, per source
         self._t_launch = 0.0
 
     @property
@@ -189,7 +192,10 @@ class Speculator:
             if room <= 0:
                 continue
             ad = self.adaptive.setdefault(seq.seq_id, _Adaptive())
-            k = ad.choose_k(p.spec_k, self.t_target, self.t_draft[p.speculative])
+            if p.seed is None:
+                k = ad.choose_k(p.spec_k, self.t_target, self.t_draft[p.speculative])
+            else:  # a seeded request repeats only if its drafts do: no wall-clock input to k
+                k = ad.choose_k(p.spec_k, NOMINAL_T_TARGET, NOMINAL_T_DRAFT[p.speculative], timed=False)
             d = drafts[seq] = Draft(len(seq), k, min(k + FORCED_ROOM, room))
             budget -= d.room
             free -= bm.blocks_needed(seq.seq_id, 1 + d.room) - bm.blocks_needed(seq.seq_id, 1)
@@ -272,7 +278,7 @@ class Speculator:
                 if not ff or len(d.tokens) + len(ff) > d.room:
                     return None
                 return _Step(branch, list(ff), True)
-            if d.ctl_time > 0.5 * self.t_target:  # the controller's share of a draft is spent
+            if d.ctl_time > 0.5 * self.t_target and seq.params.seed is None:  # the controller's draft budget is spent
                 return None
         token, q = self._propose(seq, d, branch, draft_logits)
         if token is None or (token in self.engine.tokenizer.stop_token_ids and not seq.params.ignore_eos):
@@ -284,6 +290,7 @@ class Speculator:
             return None
         return _Step(branch, tokens, False, q)
 
+    @torch.inference_mode()
     def _propose(self, seq, d: Draft, branch: Branch | None, draft_logits):
         """(token, q) from the sequence's source under the branch's mask; (None, None) if none."""
         mask = None if branch is None else branch.mask
@@ -335,6 +342,7 @@ class Speculator:
 
     # -- verification --------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def verify(self, seq, logits: torch.Tensor, row: int, deltas) -> list:
         """Accept the longest agreeing prefix of the draft; returns the rows the engine samples."""
         eng = self.engine
