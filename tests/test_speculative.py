@@ -57,11 +57,19 @@ class Mirror:
             del self.seq[len(self.seq) - backtrack:]
             self.seq.extend(tokens)
         self.branch = self.branch if branch_idx == 0 else branch_idx
-        return self.policy(self)
+        branches = self.policy(self)
+        # Like a Wasm controller, hand out masks in a buffer that the next call overwrites.
+        self.buffers = getattr(self, "buffers", None) or [np.zeros((V + 31) // 32, np.uint32) for _ in range(4)]
+        for branch, buf in zip(branches, self.buffers):
+            if branch.mask is not None:
+                buf[:] = branch.mask
+                branch.mask = buf
+        return branches
 
     def fork(self):
         twin = Mirror(self.policy, self.log)
         twin.seq, twin.n_prompt, twin.branch = list(self.seq), self.n_prompt, self.branch
+        twin.buffers = [buf.copy() for buf in self.buffers]  # a fork copies the memory, masks included
         return twin
 
     def close(self):

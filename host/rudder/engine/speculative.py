@@ -288,6 +288,10 @@ class Speculator:
             tokens = next((list(ff) for ff in branch.ff if ff[0] == token), tokens)
         if len(d.tokens) + len(tokens) > d.room:
             return None
+        if branch is not None and branch.mask is not None:
+            # A Wasm controller's mask is a view of its memory that the next call overwrites;
+            # verification needs this one.
+            branch = Branch(0, branch.mask.copy(), branch.ff)
         return _Step(branch, tokens, False, q)
 
     @torch.inference_mode()
