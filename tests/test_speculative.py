@@ -213,7 +213,8 @@ def test_adaptive_k_follows_acceptance_and_controller_cost():
     ad_bad = _Adaptive()
     for _ in range(20):
         ad_bad.observe(0, True)
-    assert ad_bad.choose_k(8, t_target=0.06, t_draft=0.001) == 1
+    ks = [ad_bad.choose_k(8, t_target=0.06, t_draft=0.001) for _ in range(16)]
+    assert ks == ([0] * 7 + [1]) * 2  # drafting stops, with a one-token probe every 8 steps
     ad_mid = _Adaptive()
     for _ in range(20):
         ad_mid.observe(2, True)  # acceptance ~2/3
@@ -311,6 +312,9 @@ SMOL_CASES = [
     ("force", "Dear Sir, thank you for your letter", "Write a letter."),
     ("fork", "2", "Name a boat."),
     ("backtrack", " the", "Describe the sea in one sentence."),
+    ("regex", r"[A-Z][a-z]+ (is|was) [a-z ]{5,40}\.", "Describe a lighthouse."),
+    ("json", '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, '
+             '"required": ["name", "age"]}', "Invent a sailor: his name and age as JSON."),
 ]
 
 

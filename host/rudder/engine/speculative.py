@@ -34,8 +34,10 @@ from .drafts import DraftModel, PromptLookup, build_draft_model
 from .sampler import _keep_nucleus
 
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
-FORCED_ROOM = 32  # positions reserved per draft for controller fast-forwards beyond k
+FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
 NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the estimates' start
+ROW_COST = 0.08  # each verified position adds this fraction of a one-token forward (SmolLM2 on 2 CPU cores)
+PROBE_EVERY = 8  # a sequence that stopped drafting (k = 0) tries one token this often, to notice a change
 NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}
 
 
@@ -93,6 +95,7 @@ class _Adaptive:
     def __init__(self):
         self.hits, self.tries = 4.0, 5.0  # acceptance rate prior 0.8
         self.ctl_time = 0.0  # seconds per controller call while drafting
+        self.idle = 0  # steps since the last draft
 
     @property
     def alpha(self) -> float:
@@ -104,14 +107,21 @@ class _Adaptive:
 
     def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True) -> int:
         """The k that maximises expected tokens per second: a draft of k tokens yields
-        (1 - a^(k+1)) / (1 - a) tokens for one target forward plus k draft steps (each with a
-        controller call, whose measured time counts when `timed`)."""
+        (1 - a^(k+1)) / (1 - a) tokens for one target forward over k + 1 positions plus k draft
+        steps (each with a controller call, whose measured time counts when `timed`). 0 = do not
+        draft this step (then every PROBE_EVERY steps a 1-token probe)."""
         a, cost = self.alpha, t_draft + (self.ctl_time if timed else 0.0)
-        best, best_rate = 1, 0.0
+        best, best_rate = 0, 1.0 / t_target
         for k in range(1, k_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (t_target + k * cost)
+            rate = (1 - a ** (k + 1)) / (1 - a) / (t_target * (1 + ROW_COST * k) + k * cost)
             if rate > best_rate:
                 best, best_rate = k, rate
+        if best == 0:
+            self.idle += 1
+            if self.idle >= PROBE_EVERY:
+                best = 1
+        if best:
+            self.idle = 0
         return best
 
 
@@ -196,6 +206,8 @@ class Speculator:
                 k = ad.choose_k(p.spec_k, self.t_target, self.t_draft[p.speculative])
             else:  # a seeded request repeats only if its drafts do: no wall-clock input to k
                 k = ad.choose_k(p.spec_k, NOMINAL_T_TARGET, NOMINAL_T_DRAFT[p.speculative], timed=False)
+            if k == 0:
+                continue
             d = drafts[seq] = Draft(len(seq), k, min(k + FORCED_ROOM, room))
             budget -= d.room
             free -= bm.blocks_needed(seq.seq_id, 1 + d.room) - bm.blocks_needed(seq.seq_id, 1)
@@ -353,7 +365,8 @@ class Speculator:
         d, seq.draft = seq.draft, None
         n_drafted = len(d.tokens)
         del seq.token_ids[d.base:]  # re-appended below as they are accepted
-        self.t_target = _EMA * self.t_target + (1 - _EMA) * (time.perf_counter() - self._t_launch)
+        one_row = (time.perf_counter() - self._t_launch) / (1 + ROW_COST * n_drafted)
+        self.t_target = _EMA * self.t_target + (1 - _EMA) * one_row
         stats = self._stats(seq)
         stats.spec_steps += 1
         kept, accepted, rejected, corrected = 0, [], None, None
