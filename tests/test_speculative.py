@@ -163,6 +163,22 @@ def test_greedy_speculation_is_token_for_token_plain_greedy(llm, policy, mode, k
     check_caches_empty(llm)
 
 
+def test_a_failing_fork_ends_its_request_without_unverified_tokens(llm):
+    def fork_then_fail(c):
+        if c.branch == 0 and len(c.seq) - c.n_prompt >= 12:  # fork 0 is verified first: fork 1 holds a draft
+            raise RuntimeError("fork 0 gives up")
+        return forks(c)
+
+    reference, _, _ = run(llm, forks, n=30)
+    for mode in ("lookup", "draft"):
+        spec, outs, _ = run(llm, fork_then_fail, mode, n=30)
+        for ref, got, out in zip(reference, spec, outs):
+            assert all(b.finish_reason == "error" and "fork 0 gives up" in b.error for b in out.branches)
+            for tokens, unfailed in zip(got, ref):  # only verified tokens: a prefix of the unfailed run
+                assert tokens == unfailed[: len(tokens)]
+        check_caches_empty(llm)
+
+
 def test_controller_fast_forwards_ride_along_as_free_drafts(llm):
     _, outs, _ = run(llm, ff_mix, "lookup")
     assert sum(o.speculative["forced"] for o in outs) > 0

@@ -441,8 +441,11 @@ class Speculator:
         return req.spec_stats
 
     def release(self, seq) -> None:
-        """The sequence finished: drop its draft-cache blocks and estimates."""
-        seq.draft = None
+        """The sequence finished: drop its draft-cache blocks and estimates (and an unverified
+        draft: it finished before its verification, e.g. a fork of its request failed)."""
+        if seq.draft is not None:
+            del seq.token_ids[seq.draft.base:]
+            seq.draft = None
         self.adaptive.pop(seq.seq_id, None)
         if self._draft_model is not None:
             self._draft_model.release(seq.seq_id)
