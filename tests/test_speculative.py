@@ -247,7 +247,10 @@ def test_bad_speculative_requests_are_value_errors(llm):
         SamplingParams(speculative="lookup", spec_k=0).validate()
     bad = LLM("tiny", kv_cache_tokens=256, draft_model="layers:9")
     with pytest.raises(ValueError, match="draft model"):
-        bad.generate([[5, 6, 7]], SamplingParams(speculative="draft"))
+        bad.engine.add_request([5, 6, 7], SamplingParams(speculative="draft"))  # refused: nothing queued
+    assert not bad.engine.has_unfinished()
+    [out] = bad.generate([[5, 6, 7]], SamplingParams(max_tokens=4, speculative="lookup"))  # still serving
+    assert len(out.token_ids) == 4
 
 
 # -- distribution: speculative sampling follows the target --------------------------------------

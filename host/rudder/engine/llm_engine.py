@@ -147,14 +147,16 @@ class Engine:
             if len(prompt_ids) >= self.cfg.max_position:
                 raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                                  f"{self.cfg.max_position}")
+            if params.speculative is not None:
+                if self.spec is None:
+                    from .speculative import Speculator
+
+                    self.spec = Speculator(self)
+                self.spec.check(params)  # a draft model that cannot be built refuses this request
         except BaseException:
             if controller is not None:
                 controller.close()
             raise
-        if params.speculative is not None and self.spec is None:
-            from .speculative import Speculator
-
-            self.spec = Speculator(self)
         req = Request(next(self._request_ids), prompt_ids, params)
         seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req.request_id)
         seq.controller = controller

@@ -174,6 +174,11 @@ class Speculator:
             self._draft_model = DraftModel(model, eng.block_manager.num_blocks, eng.block_manager.block_size)
         return self._draft_model
 
+    def check(self, params) -> None:
+        """Raise ValueError if the request's draft source cannot be had (builds the draft model)."""
+        if params.speculative == "draft":
+            self.draft_model  # noqa: B018 (built here, on the request's own account)
+
     # -- drafting ------------------------------------------------------------------------------
 
     def propose(self, deltas) -> None:
