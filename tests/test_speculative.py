@@ -129,7 +129,8 @@ def prompts():
     return out
 
 
-def run(llm, policy, mode=None, k=8, n=40, seed=None, temperature=0.0):
+def run(llm, policy, mode=None, k=8, n=40, seed=0, temperature=0.0):
+    """Greedy by default; a seed makes the choice of k independent of timing (docs/speculative.md)."""
     log = []
     ps = prompts()
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, seed=seed, speculative=mode,
@@ -159,6 +160,7 @@ def test_greedy_speculation_is_token_for_token_plain_greedy(llm, policy, mode, k
     assert all(s is not None and s["spec_steps"] > 0 for s in stats)
     if policy not in ("stop", "fork"):
         assert sum(s["accepted"] for s in stats) > 0
+    if policy not in ("stop", "fork", "backtrack"):  # (a backtrack costs plain decoding forwards too)
         assert sum(s["target_forwards"] for s in stats) < sum(len(t[0]) for t in plain)
     check_caches_empty(llm)
 
@@ -206,7 +208,7 @@ def test_a_target_that_cannot_verify_falls_back_to_plain_steps(llm):
 
 
 def test_cancelling_a_stream_frees_both_caches(llm):
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, speculative="draft")
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, speculative="draft", seed=0)
     stream = llm.stream(prompts()[0], params)
     for _ in range(6):
         next(stream)
@@ -321,7 +323,10 @@ def test_speculative_sampling_matches_the_target_distribution(llm, under_mask):
 
 @pytest.fixture(scope="module")
 def smol(smollm2_folder):
-    return LLM("smollm2")
+    from rudder.controller import Limits
+
+    # Deadlines are not under test here, and a loaded 2-core machine misses the 25 ms default.
+    return LLM("smollm2", controller_limits=Limits(mid_process_ms=2000, init_ms=10000))
 
 
 SMOL_CASES = [
@@ -350,5 +355,6 @@ def test_smollm2_greedy_speculation_is_exact_with_wasm_controllers(smol, control
     spec, spec_reasons, out = go(mode)
     assert spec == plain and spec_reasons == reasons
     assert "error" not in reasons
-    assert out.speculative["spec_steps"] > 0
+    if controller != "force":  # force fast-forwards everything at once: no decoding step to speculate on
+        assert out.speculative["spec_steps"] > 0
     check_caches_empty(smol)
