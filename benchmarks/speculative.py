@@ -10,7 +10,8 @@ Tasks:
 For each task and repetition, plain and each speculative mode run back to back (the order
 rotates per repetition), so machine noise hits them alike; tokens/s is output tokens over the
 request's wall time (prefill included), speedup is plain's time over the mode's (median of the
-per-repetition ratios). Greedy output must be identical to plain: the `same` column checks it.
+per-repetition ratios), `cpu x` the same ratio of the process's CPU time (steadier than wall
+time on a machine shared with other jobs). Greedy output must be identical to plain: the `same` column checks it.
 `--draft-speed` adds the draft candidates' decode time per token next to the target's.
 """
 
@@ -68,13 +69,14 @@ def has_controller(name: str) -> bool:
 
 def run_once(llm, prompt, mode, tokens, k, controller, arg):
     params = SamplingParams(max_tokens=tokens, temperature=0.0, speculative=mode, spec_k=k)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     out = llm.generate([prompt], params, chat=True, controller=controller, controller_arg=arg)[0]
-    return time.perf_counter() - t, out
+    return time.perf_counter() - t, time.process_time() - c, out
 
 
 def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
-    rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": []} for m in [None, *modes]}
+    rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": [], "cpu_ratio": []}
+            for m in [None, *modes]}
     order = [None, *modes]
     run_once(llm, prompt, None, 8, k, controller, arg)  # warm-up (controller build, caches)
     for m in modes:
@@ -83,8 +85,8 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
         rot = order[rep % len(order):] + order[: rep % len(order)]
         outs = {}
         for m in rot:
-            seconds, out = run_once(llm, prompt, m, tokens, k, controller, arg)
-            outs[m] = (seconds, out)
+            seconds, cpu, out = run_once(llm, prompt, m, tokens, k, controller, arg)
+            outs[m] = (seconds, out, cpu)
             r = rows[m]
             r["seconds"].append(seconds)
             r["tokens"].append(len(out.token_ids))
@@ -93,6 +95,7 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
         for m in modes:
             rows[m]["same"] &= outs[m][1].token_ids == outs[None][1].token_ids
             rows[m]["ratio"].append(outs[None][0] / outs[m][0])
+            rows[m]["cpu_ratio"].append(outs[None][2] / outs[m][2])
         if rep == 0:
             print(f"  [{name}] {outs[None][1].text[:160]!r}", flush=True)
     table = []
@@ -104,6 +107,7 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
             "tokens": int(np.mean(r["tokens"])),
             "tokens_per_s": float(np.sum(r["tokens"]) / np.sum(r["seconds"])),
             "speedup": float(np.median(r["ratio"])) if r["ratio"] else 1.0,
+            "cpu_speedup": float(np.median(r["cpu_ratio"])) if r["cpu_ratio"] else 1.0,
             "acceptance": (sum(s["accepted"] for s in st) / drafted) if drafted else None,
             "tokens_per_target_forward": (float(np.sum(r["tokens"]) / sum(s["target_forwards"] for s in st))
                                           if st else 1.0),
@@ -156,12 +160,12 @@ def main() -> None:
 
     print(f"\nspeculative decoding, SmolLM2-135M fp32, greedy, batch 1, {args.tokens} tokens, k<={args.spec_k}, "
           f"draft model {args.draft_model}, {args.reps} reps, torch threads {torch.get_num_threads()}")
-    print(f"{'task':12} {'mode':7} {'controller':10} {'tokens':>6} {'tok/s':>7} {'speedup':>7} {'accept':>7} "
-          f"{'tok/fwd':>7} same")
+    print(f"{'task':12} {'mode':7} {'controller':10} {'tokens':>6} {'tok/s':>7} {'speedup':>7} {'cpu x':>6} "
+          f"{'accept':>7} {'tok/fwd':>7} same")
     for r in table:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['task']:12} {r['mode']:7} {r['controller']:10} {r['tokens']:6d} {r['tokens_per_s']:7.1f} "
-              f"{r['speedup']:6.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}")
+              f"{r['speedup']:6.2f}x {r['cpu_speedup']:5.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}")
     speeds = []
     if args.draft_speed:
         speeds = draft_speed(llm, ["int8", "layers:10", "layers:6"])
