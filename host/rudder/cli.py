@@ -30,12 +30,20 @@ MODEL = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP)
 DEVICE = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda.")
 PIPELINE = typer.Option(1, "--pipeline-stages", min=1,
                         help="Split the model's layers over N processes (torch.distributed; see docs/pipeline.md).")
+SPECULATIVE = typer.Option(None, "--speculative",
+                           help="Speculative decoding: 'lookup' (n-gram match in the prompt and output) or 'draft' "
+                                "(a draft model); see docs/speculative.md.")
+SPEC_K = typer.Option(8, "--spec-k", min=1, max=32, help="Most draft tokens per target forward (adapted below it).")
+DRAFT_MODEL = typer.Option("int8", "--draft-model",
+                           help="The draft for --speculative draft: int8 (the model quantized), layers:N (its first N "
+                                "layers), or a checkpoint with the same vocabulary.")
 
 
-def _llm(model: str, device: str, pipeline_stages: int):
+def _llm(model: str, device: str, pipeline_stages: int, draft_model: str = "int8"):
     from .llm import LLM
 
-    return LLM(model, device=device, pipeline_stages=pipeline_stages if pipeline_stages > 1 else None)
+    return LLM(model, device=device, pipeline_stages=pipeline_stages if pipeline_stages > 1 else None,
+               draft_model=draft_model)
 
 
 def _fail(message: str, log_tail: str = "") -> None:
@@ -98,6 +106,10 @@ def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
             sys.stdout.flush()
         if delta.finished:
             finals[delta.branch] = delta
+            if delta.speculative is not None and delta.branch == 0:
+                s = delta.speculative
+                sys.stderr.write(f"[speculative: drafted {s['drafted']}, accepted {s['accepted']}, "
+                                 f"{s['tokens_per_target_forward']} tokens per target forward]\n")
     if len(texts) == 1 and buffered:
         sys.stdout.write(texts[0] + "\n")
     elif buffered:
@@ -110,22 +122,23 @@ def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
     return [finals[b] for b in sorted(finals)]
 
 
-def _params(max_tokens, temperature, top_p, top_k, seed, stop):
+def _params(max_tokens, temperature, top_p, top_k, seed, stop, speculative=None, spec_k=8):
     from .engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p or 1.0, top_k=top_k,
-                          seed=seed, stop=stop).validate()
+                          seed=seed, stop=stop, speculative=speculative, spec_k=spec_k).validate()
 
 
 def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: int,
-              controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False) -> None:
+              controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False,
+              draft_model: str = "int8") -> None:
     """What `generate` and `run` share: set up, stream, report errors in one line (plus the
     controller's log tail), release the model (and its pipeline stages)."""
     prompt = sys.stdin.read() if prompt == "-" else prompt
     llm, log_text = None, lambda: ""
     try:
         params = _params(**sampling)
-        llm = _llm(model, device, pipeline_stages)
+        llm = _llm(model, device, pipeline_stages, draft_model)
         ctl = None
         if controller is not None:
             ctl = llm.start_controller(controller, _read_arg(arg), _read_limits(list(limits)))
@@ -148,10 +161,12 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
 @app.command()
 def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
              top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
-             model: str = MODEL, device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
+             model: str = MODEL, device: str = DEVICE, pipeline_stages: int = PIPELINE,
+             speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
     """Generate text for PROMPT, streamed to standard output."""
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-    _generate(prompt, sampling, chat, model, device, pipeline_stages)
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                    speculative=speculative, spec_k=spec_k)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages, draft_model=draft_model)
 
 
 @app.command()
@@ -164,10 +179,12 @@ def run(prompt: str = PROMPT,
                                         "max_log_bytes, max_var_bytes); repeatable."),
         chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
         top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
-        device: str = DEVICE, pipeline_stages: int = PIPELINE) -> None:
+        device: str = DEVICE, pipeline_stages: int = PIPELINE, speculative: Optional[str] = SPECULATIVE,
+        spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log)
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                    speculative=speculative, spec_k=spec_k)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model)
 
 
 @app.command()

@@ -179,6 +179,8 @@ class LLM:
             while not req.finished:
                 for delta in self.engine.step():
                     if delta.request_id == req.request_id:
+                        if delta.finished and req.spec_stats is not None:
+                            delta.speculative = req.spec_stats.as_dict(sum(s.num_output for s in req.seqs))
                         yield delta
         finally:
             if not req.finished:

@@ -62,6 +62,7 @@ class Request:
         self.cancelled = False
         self.error: str | None = None
         self.usage = Usage()
+        self.spec_stats = None  # speculative.SpecStats of a speculative request
 
     @property
     def finished(self) -> bool:
@@ -110,9 +111,11 @@ def _run_calls(calls) -> list:
 class Engine:
     def __init__(self, model, tokenizer: "Tokenizer", *, kv_cache_tokens: int = 16384, block_size: int = 16,
                  max_batch_tokens: int = 512, max_seqs: int = 64, max_forks: int = 16, controller_threads: int = 2,
-                 runner_factory=None):
+                 runner_factory=None, draft_model="int8"):
         """`runner_factory(num_blocks, block_size)` builds the model runner (default: a local
-        ModelRunner; `rudder.pipeline.PipelineRunner` shards the model over processes)."""
+        ModelRunner; `rudder.pipeline.PipelineRunner` shards the model over processes).
+        `draft_model`: the draft of requests with speculative="draft" (engine/drafts.py), built on
+        first use."""
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = model.cfg
@@ -129,6 +132,9 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
         self._steps = 0  # steps completed (Usage.last_step)
+        # Speculative decoding (engine/speculative.py), set up by the first request that asks.
+        self.draft_model = draft_model
+        self.spec = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -148,6 +154,12 @@ class Engine:
             if len(prompt_ids) >= self.cfg.max_position:
                 raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                                  f"{self.cfg.max_position}")
+            if params.speculative is not None:
+                if self.spec is None:
+                    from .speculative import Speculator
+
+                    self.spec = Speculator(self)
+                self.spec.check(params)  # a draft model that cannot be built refuses this request
         except BaseException:
             if controller is not None:
                 controller.close()
@@ -180,7 +192,11 @@ class Engine:
 
     def step(self) -> list[Delta]:
         deltas: list[Delta] = []
+        if self.spec is not None:  # speculative requests get draft tokens to verify in this step
+            self.spec.propose(deltas)
         batch, unfit = self.scheduler.schedule()
+        if self.spec is not None:
+            batch = self.spec.settle(batch, deltas)
         self._fail_unfit(unfit, deltas)
         if not batch:
             return deltas
@@ -197,7 +213,8 @@ class Engine:
         """Start the step: controllers in their threads, the forward pass here."""
         self.runner.copy_blocks(self.block_manager.take_copies())
         ready = [e.seq for e in batch if e.sample]
-        tasks = self._start_controllers([s for s in ready if s.controller is not None and s.deferred is None])
+        tasks = self._start_controllers([s for s in ready if s.controller is not None and s.deferred is None
+                                         and s.draft is None])  # a draft's controller answered while drafting
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch)  # the controllers run meanwhile
@@ -220,10 +237,13 @@ class Engine:
         answers = {seq_id: (answer, secs) for task in flight.tasks for seq_id, answer, secs in task.result()}  # all done before any is closed
 
         samples: list[_Sample] = []
-        for row, seq in enumerate(flight.ready):
+        rows = itertools.accumulate((e.logit_rows for e in flight.batch if e.sample), initial=0)
+        for seq, row in zip(flight.ready, rows):
             if seq.finished:  # its request failed earlier in this loop
                 continue
-            if seq.controller is None:
+            if seq.draft is not None:  # verify its draft tokens (rows row, row + 1, ...)
+                samples.extend(self.spec.verify(seq, flight.logits, row, deltas))
+            elif seq.controller is None:
                 samples.append(_Sample(seq, row, None))
             elif seq.deferred is not None:
                 branch, seq.deferred = seq.deferred, None
@@ -394,6 +414,8 @@ class Engine:
         seq.error = error
         seq.deferred = None
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
         if seq.controller is not None:
             seq.controller.close()
 
@@ -413,7 +435,9 @@ class Engine:
     def completions(self, req: Request) -> list[Completion]:
         return [
             Completion(req.request_id, s.branch, req.outputs[s.seq_id].text, s.output_ids, s.finish_reason or "",
-                       len(req.prompt_ids), s.logprobs if s.params.logprobs is not None else None, s.error)
+                       len(req.prompt_ids), s.logprobs if s.params.logprobs is not None else None, s.error,
+                       speculative=None if req.spec_stats is None
+                       else req.spec_stats.as_dict(sum(x.num_output for x in req.seqs)))
             for s in req.seqs
         ]
 

@@ -22,6 +22,7 @@ class ScheduledSeq:
     slots: list[int]
     block_table: list[int]
     sample: bool  # the fed tokens reach the end of the sequence: its next-token logits are wanted
+    logit_rows: int = 1  # logits of the last this many fed tokens (more than 1: speculative verification)
 
 
 @dataclass
@@ -47,7 +48,8 @@ class StepArrays:
         tables = np.zeros((len(batch), num_table_blocks), dtype=np.int64)
         for b, e in enumerate(batch):
             tables[b, : len(e.block_table)] = e.block_table
-        sample_rows = np.array([o + n - 1 for e, o, n in zip(batch, offsets, counts) if e.sample], dtype=np.int64)
+        sample_rows = np.array([r for e, o, n in zip(batch, offsets, counts) if e.sample
+                                for r in range(o + n - e.logit_rows, o + n)], dtype=np.int64)
         return cls(counts, starts, slot_mapping, tables, sample_rows, input_ids)
 
     def tensors(self, block_size: int, device) -> tuple[torch.Tensor | None, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -79,6 +81,8 @@ class StepArrays:
 
 
 class ModelRunner:
+    multi_row_logits = True  # run() honours ScheduledSeq.logit_rows: speculative decoding can verify here
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -99,7 +103,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Forward the batch; returns float32 logits [number of entries with sample=True, vocab]."""
+        """Forward the batch; returns float32 logits [sum of logit_rows of entries with sample=True, vocab]."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_cache)
         return self.model.logits(hidden.index_select(0, sample_rows)).float()

@@ -27,6 +27,7 @@ class Delta:
     error: str | None = None  # what went wrong, when finish_reason is "error"
     backtrack_chars: int = 0
     backtrack_tokens: int = 0
+    speculative: dict | None = None  # on a finished delta of a speculative stream (LLM.stream): its stats
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Completion:
     logprobs: list[dict] | None = None
     error: str | None = None
     branches: list["Completion"] = field(default_factory=list, repr=False)  # all forks (LLM.generate)
+    speculative: dict | None = None  # speculative decoding stats of the request (engine/speculative.py)
 
 
 class TextOutput:

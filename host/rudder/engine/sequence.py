@@ -21,6 +21,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's plus the top n
+    speculative: str | None = None  # None, "lookup" or "draft": speculative decoding (docs/speculative.md)
+    spec_k: int = 8  # the most draft tokens per target forward (adapted below it)
 
     def validate(self) -> "SamplingParams":
         if self.max_tokens < 1:
@@ -33,6 +35,12 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.speculative not in (None, "lookup", "draft"):
+            raise ValueError(f"speculative must be 'lookup' or 'draft', not {self.speculative!r}")
+        if not 1 <= self.spec_k <= 32:
+            raise ValueError("spec_k must be between 1 and 32")
+        if self.speculative is not None and self.logprobs is not None:
+            raise ValueError("logprobs are not available with speculative decoding")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -77,6 +85,7 @@ class Sequence:
         self.ctl_append: list[int] = list(prompt_ids)
         self.deferred = None  # rudder.branch.Branch | None
         self.usage = None  # the request's rudder.engine.output.Usage (shared by its forks)
+        self.draft = None  # speculative.Draft | None: draft tokens this step verifies
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,461 @@
+"""Constrained speculative decoding: draft, verify, rewind (docs/speculative.md).
+
+A sequence with `SamplingParams.speculative` that is at a plain decoding step (one sampled token
+waiting, nothing deferred) drafts before the step is scheduled:
+
+    answer = controller(reported tokens)                       # the mask for the next position
+    repeat up to k times:
+        answer is one simple Branch?  (no backtrack, no fork, no stop) else end the draft
+        pure fast-forward  -> its tokens are free drafts (forced)
+        sampling Branch    -> the draft source proposes a token under the mask (+ its ff list)
+        answer = controller(those tokens)                      # n_append = 1 (or the ff list)
+
+The drafted tokens are appended as pending tokens, so the one target forward of the step runs
+over them all (`ScheduledSeq.logit_rows` = 1 + drafted). `verify` then walks the positions with
+the masks recorded while drafting (no extra controller call): greedy accepts while the target's
+masked argmax agrees; sampling accepts with min(1, p/q) and resamples a rejection from the
+normalised residual max(0, p - q), so the output follows the target's distribution. Rejected
+positions are popped from the KV cache, the controller learns them as `backtrack` at its next
+call, with the corrected token as its `append`. When every draft token is accepted, the
+controller's last answer - whatever it is: fork, backtrack, stop - is applied to the logits of
+the position after the draft by the engine's ordinary code (`Engine._take_branches`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..branch import Branch
+from .drafts import DraftModel, PromptLookup, build_draft_model
+from .sampler import _keep_nucleus
+
+_EMA = 0.8  # weight of the past in the running acceptance and timing estimates
+FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
+NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the estimates' start
+ROW_COST = 0.08  # each verified position adds this fraction of a one-token forward (SmolLM2 on 2 CPU cores)
+PROBE_EVERY = 8  # a sequence that stopped drafting (k = 0) tries one token this often, to notice a change
+NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}
+
+
+@dataclass
+class SpecStats:
+    """Per request: what speculation did (reported in the completion and the API usage)."""
+
+    drafted: int = 0  # draft tokens verified by the target (controller fast-forwards not counted)
+    accepted: int = 0
+    forced: int = 0  # controller fast-forward tokens that rode along in a verification forward
+    target_forwards: int = 0  # target forward passes that produced this request's next tokens
+    spec_steps: int = 0  # of those, the ones that verified a draft
+    fallbacks: int = 0  # steps run plainly because the target cannot verify several positions
+
+    def as_dict(self, output_tokens: int) -> dict:
+        return {
+            "drafted": self.drafted, "accepted": self.accepted, "forced": self.forced,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "target_forwards": self.target_forwards, "spec_steps": self.spec_steps,
+            "tokens_per_target_forward": round(output_tokens / self.target_forwards, 4) if self.target_forwards else None,
+            "fallbacks": self.fallbacks,
+        }
+
+
+@dataclass
+class _Step:
+    """One drafted position: the Branch it was drafted under and the tokens it adds - a proposed
+    token with the ff list it selected, or (forced) a controller fast-forward."""
+
+    branch: Branch | None
+    tokens: list[int]
+    forced: bool
+    q: torch.Tensor | None = None  # the draft's distribution (draft model, temperature > 0)
+
+
+@dataclass
+class Draft:
+    """A sequence's draft for this step; `answer` is the controller's answer after all of it."""
+
+    base: int  # len(seq) before the draft
+    k: int  # the most proposed (verified) tokens
+    room: int  # the most positions, controller fast-forwards included (reserved in the step)
+    steps: list[_Step] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    answer: object = None  # list[Branch] or the exception the controller raised
+    lookup: list[int] = field(default_factory=list)  # prompt lookup's remaining proposals ...
+    lookup_at: int = -1  # ... valid while the draft has this many tokens
+    ctl_time: float = 0.0
+    done: bool = False
+
+
+class _Adaptive:
+    """Per-sequence running estimates that pick k."""
+
+    def __init__(self):
+        self.hits, self.tries = 4.0, 5.0  # acceptance rate prior 0.8
+        self.ctl_time = 0.0  # seconds per controller call while drafting
+        self.idle = 0  # steps since the last draft
+
+    @property
+    def alpha(self) -> float:
+        return min(self.hits / self.tries, 0.98)
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        self.hits = _EMA * self.hits + accepted
+        self.tries = _EMA * self.tries + accepted + rejected
+
+    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True) -> int:
+        """The k that maximises expected tokens per second: a draft of k tokens yields
+        (1 - a^(k+1)) / (1 - a) tokens for one target forward over k + 1 positions plus k draft
+        steps (each with a controller call, whose measured time counts when `timed`). 0 = do not
+        draft this step (then every PROBE_EVERY steps a 1-token probe)."""
+        a, cost = self.alpha, t_draft + (self.ctl_time if timed else 0.0)
+        best, best_rate = 0, 1.0 / t_target
+        for k in range(1, k_max + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / (t_target * (1 + ROW_COST * k) + k * cost)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            self.idle += 1
+            if self.idle >= PROBE_EVERY:
+                best = 1
+        if best:
+            self.idle = 0
+        return best
+
+
+def _probs(row: torch.Tensor, params) -> torch.Tensor:
+    """The sampling distribution the Sampler uses for this (already masked) row."""
+    x = row / params.temperature
+    if 0 < params.top_k < x.shape[0]:
+        x.masked_fill_(x < x.topk(params.top_k).values[-1], float("-inf"))
+    if params.top_p < 1.0:
+        _keep_nucleus(x, params.top_p)
+    return x.softmax(-1)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    cdf = weights.cumsum(0)
+    return min(int(torch.searchsorted(cdf, cdf[-1] * u, right=True)), weights.shape[0] - 1)
+
+
+def _timed_calls(calls) -> list:
+    """mid_process calls in order: (seq, answer or exception, seconds)."""
+    out = []
+    for seq, branch_idx, backtrack, tokens in calls:
+        t = time.perf_counter()
+        try:
+            answer = seq.controller.mid_process(branch_idx, backtrack, tokens)
+        except Exception as e:
+            answer = e
+        out.append((seq, answer, time.perf_counter() - t))
+    return out
+
+
+class Speculator:
+    """Drafting before the step, verification after it, for the engine's speculative sequences."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lookup = PromptLookup()
+        self._draft_model: DraftModel | None = None
+        self.adaptive: dict[int, _Adaptive] = {}  # by seq_id
+        self.t_target = NOMINAL_T_TARGET  # seconds per verification forward, running estimate
+        self.t_draft = dict(NOMINAL_T_DRAFT)  # seconds per drafted position, per source
+        self._t_launch = 0.0
+
+    @property
+    def draft_model(self) -> DraftModel:
+        """The engine's draft model (built on first use: a ValueError for a bad spec)."""
+        if self._draft_model is None:
+            eng = self.engine
+            model = build_draft_model(eng.draft_model, eng.model)
+            self._draft_model = DraftModel(model, eng.block_manager.num_blocks, eng.block_manager.block_size)
+        return self._draft_model
+
+    def check(self, params) -> None:
+        """Raise ValueError if the request's draft source cannot be had (builds the draft model)."""
+        if params.speculative == "draft":
+            self.draft_model  # noqa: B018 (built here, on the request's own account)
+
+    # -- drafting ------------------------------------------------------------------------------
+
+    def propose(self, deltas) -> None:
+        eng = self.engine
+        running = eng.scheduler.running
+        candidates = [s for s in running if s.params.speculative and s.num_pending == 1 and s.num_cached > 0
+                      and s.deferred is None and s.draft is None]
+        if not candidates:
+            return
+        if not getattr(eng.runner, "multi_row_logits", False):  # the target cannot verify: plain steps
+            for seq in candidates:
+                self._stats(seq).fallbacks += 1
+            return
+        # Room for the drafts in this step's token budget and in the free KV blocks, so that the
+        # scheduler takes every drafted sequence whole (no preemption, no partial feed).
+        bm = eng.block_manager
+        budget = eng.scheduler.max_batch_tokens - sum(s.num_pending for s in running)
+        free = bm.num_free - sum(bm.blocks_needed(s.seq_id, s.num_pending) for s in running if s.seq_id in bm.tables)
+        drafts = {}
+        for seq in candidates:
+            p = seq.params
+            room = min(budget, p.max_tokens - seq.num_output - 1, eng.cfg.max_position - len(seq) - 1,
+                       bm.num_blocks * bm.block_size - len(seq))
+            while room > 0 and bm.blocks_needed(seq.seq_id, 1 + room) - bm.blocks_needed(seq.seq_id, 1) > free:
+                room -= 1
+            if room <= 0:
+                continue
+            ad = self.adaptive.setdefault(seq.seq_id, _Adaptive())
+            if p.seed is None:
+                k = ad.choose_k(p.spec_k, self.t_target, self.t_draft[p.speculative])
+            else:  # a seeded request repeats only if its drafts do: no wall-clock input to k
+                k = ad.choose_k(p.spec_k, NOMINAL_T_TARGET, NOMINAL_T_DRAFT[p.speculative], timed=False)
+            if k == 0:
+                continue
+            d = drafts[seq] = Draft(len(seq), k, min(k + FORCED_ROOM, room))
+            budget -= d.room
+            free -= bm.blocks_needed(seq.seq_id, 1 + d.room) - bm.blocks_needed(seq.seq_id, 1)
+        if drafts:
+            self._draft(drafts)
+
+    def _draft(self, drafts: dict) -> None:
+        eng = self.engine
+        # The first call reports what the normal step would (the pending token, a backtrack...).
+        tell = {}
+        for seq in drafts:
+            if seq.controller is not None:
+                tell[seq] = (seq.ctl_branch, seq.ctl_backtrack, seq.ctl_append)
+                seq.ctl_branch, seq.ctl_backtrack, seq.ctl_append = 0, 0, []
+        while True:
+            t0 = time.perf_counter()
+            tasks = self._start_calls(tell)
+            by_source = {"draft": [], "lookup": []}
+            for seq, d in drafts.items():
+                if not d.done:
+                    by_source[seq.params.speculative].append(seq)
+            model_rows = {}
+            if by_source["draft"]:  # the draft model computes while the controllers run
+                jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
+                model_rows = dict(zip(by_source["draft"], self.draft_model.logits(jobs)))
+            for task in tasks:
+                for seq, answer, seconds in task.result():
+                    d = drafts[seq]
+                    d.answer, d.ctl_time = answer, d.ctl_time + seconds
+                    ad = self.adaptive[seq.seq_id]
+                    ad.ctl_time = _EMA * ad.ctl_time + (1 - _EMA) * seconds
+            active = [s for s, d in drafts.items() if not d.done]
+            tell = {}
+            for seq in active:
+                step = self._next_step(seq, drafts[seq], model_rows.get(seq, False))
+                if step is None:
+                    drafts[seq].done = True
+                    continue
+                d = drafts[seq]
+                d.steps.append(step)
+                d.tokens.extend(step.tokens)
+                if seq.controller is not None:
+                    tell[seq] = (0, 0, step.tokens)
+            if active:
+                n = sum(1 for s in active if not drafts[s].done)
+                for source in ("draft", "lookup"):
+                    if by_source[source] and n:
+                        self.t_draft[source] = _EMA * self.t_draft[source] + (1 - _EMA) * (time.perf_counter() - t0)
+            if not any(not d.done for d in drafts.values()):
+                break
+        for seq, d in drafts.items():
+            seq.draft = d
+            seq.token_ids.extend(d.tokens)  # pending: the scheduler feeds them with the real token
+
+    def _start_calls(self, tell: dict) -> list:
+        from concurrent.futures import Future
+
+        calls = [(seq, *args) for seq, args in tell.items()]
+        pool = self.engine.pool
+        if not calls or pool is None:
+            done = Future()
+            done.set_result(_timed_calls(calls))
+            return [done]
+        n = min(self.engine.controller_threads, len(calls))
+        return [pool.submit(_timed_calls, calls[i::n]) for i in range(n)]
+
+    def _next_step(self, seq, d: Draft, draft_logits) -> _Step | None:
+        """The next drafted position under the controller's latest answer, or None to end the
+        draft (the answer is then applied at the verified end by the engine)."""
+        if sum(not s.forced for s in d.steps) >= d.k:
+            return None
+        branch = None
+        if seq.controller is not None:
+            answer = d.answer
+            if isinstance(answer, BaseException) or len(answer) != 1 or answer[0].backtrack:
+                return None  # a failure, a stop, a fork or a backtrack: the ordinary path applies it
+            branch = answer[0]
+            if not branch.samples:  # a fast-forward: free draft tokens
+                ff = branch.ff[0] if len(branch.ff) == 1 else []
+                if not ff or len(d.tokens) + len(ff) > d.room:
+                    return None
+                return _Step(branch, list(ff), True)
+            if d.ctl_time > 0.5 * self.t_target and seq.params.seed is None:  # the controller's draft budget is spent
+                return None
+        token, q = self._propose(seq, d, branch, draft_logits)
+        if token is None or (token in self.engine.tokenizer.stop_token_ids and not seq.params.ignore_eos):
+            return None  # an end of sequence is left to the target to sample
+        tokens = [token]
+        if branch is not None:
+            tokens = next((list(ff) for ff in branch.ff if ff[0] == token), tokens)
+        if len(d.tokens) + len(tokens) > d.room:
+            return None
+        if branch is not None and branch.mask is not None:
+            # A Wasm controller's mask is a view of its memory that the next call overwrites;
+            # verification needs this one.
+            branch = Branch(0, branch.mask.copy(), branch.ff)
+        return _Step(branch, tokens, False, q)
+
+    @torch.inference_mode()
+    def _propose(self, seq, d: Draft, branch: Branch | None, draft_logits):
+        """(token, q) from the sequence's source under the branch's mask; (None, None) if none."""
+        mask = None if branch is None else branch.mask
+        if seq.params.speculative == "lookup":
+            if d.lookup_at != len(d.tokens) or not d.lookup:  # forced tokens moved it: look again
+                d.lookup = self.lookup.continuation(seq.token_ids + d.tokens, d.k)
+            if not d.lookup:
+                return None, None
+            token = d.lookup.pop(0)
+            d.lookup_at = len(d.tokens) + 1
+            if mask is not None and not (int(mask[token >> 5]) >> (token & 31)) & 1:
+                return None, None
+            return token, None
+        if draft_logits is None:
+            return None, None
+        row = draft_logits.clone()
+        if mask is not None:
+            self.engine.sampler.apply_masks(row.unsqueeze(0), [mask])
+        if torch.isneginf(row.max()):
+            return None, None
+        if seq.params.temperature == 0:
+            return int(row.numpy().argmax()), None
+        q = _probs(row, seq.params)
+        return _inverse_cdf(q, seq.rng.random()), q
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def settle(self, batch: list, deltas) -> list:
+        """Mark the verification rows of drafted sequences in the scheduled batch; count forwards."""
+        for entry in batch:
+            seq = entry.seq
+            if not seq.params.speculative or not entry.sample:
+                continue
+            self._stats(seq).target_forwards += 1
+            if seq.draft is not None:
+                entry.logit_rows = 1 + len(seq.draft.tokens)
+        scheduled = {e.seq.seq_id for e in batch if e.sample}
+        for seq in list(self.engine.scheduler.running):
+            if seq.draft is not None and seq.seq_id not in scheduled:  # propose() reserved room: never
+                self._undo(seq, deltas)
+        self._t_launch = time.perf_counter()
+        return batch
+
+    def _undo(self, seq, deltas) -> None:
+        d, seq.draft = seq.draft, None
+        del seq.token_ids[d.base:]
+        eng = self.engine
+        eng._fail_request(eng.requests[seq.request_id], "internal error: a speculative draft was not scheduled", deltas)
+
+    # -- verification --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def verify(self, seq, logits: torch.Tensor, row: int, deltas) -> list:
+        """Accept the longest agreeing prefix of the draft; returns the rows the engine samples."""
+        eng = self.engine
+        d, seq.draft = seq.draft, None
+        n_drafted = len(d.tokens)
+        del seq.token_ids[d.base:]  # re-appended below as they are accepted
+        one_row = (time.perf_counter() - self._t_launch) / (1 + ROW_COST * n_drafted)
+        self.t_target = _EMA * self.t_target + (1 - _EMA) * one_row
+        stats = self._stats(seq)
+        stats.spec_steps += 1
+        kept, accepted, rejected, corrected = 0, [], None, None
+        for step in d.steps:
+            if not step.forced:
+                ok, token = self._check(seq, logits[row + kept], step)
+                stats.drafted += 1
+                if not ok:
+                    rejected, corrected = step, token
+                    break
+                stats.accepted += 1
+            else:
+                stats.forced += len(step.tokens)
+            accepted.append(step)
+            kept += len(step.tokens)
+        self.adaptive[seq.seq_id].observe(sum(not s.forced for s in accepted), rejected is not None)
+
+        if kept < n_drafted:  # rewind the target's cache past the accepted tokens
+            eng.block_manager.pop(seq.seq_id, n_drafted - kept)
+            seq.num_cached -= n_drafted - kept
+        if seq.controller is not None:  # it was told every draft token
+            seq.ctl_backtrack += n_drafted - kept
+        usage = seq.usage  # a verified token counts as sampled (plus its ff list); a forced one as ff
+        for step in accepted:
+            usage.sampled_tokens += not step.forced
+            usage.ff_tokens += len(step.tokens) - (not step.forced)
+            deltas.append(eng._append(seq, list(step.tokens)))
+            if seq.finished:
+                return []
+        seq.ctl_append.clear()  # the controller has seen the accepted tokens
+        if rejected is not None:
+            if corrected in eng.tokenizer.stop_token_ids and not seq.params.ignore_eos:
+                deltas.append(eng._finish_delta(seq, "stop"))
+                return []
+            tokens = [corrected]
+            if rejected.branch is not None:
+                tokens = next((list(ff) for ff in rejected.branch.ff if ff[0] == corrected), tokens)
+            usage.sampled_tokens += 1
+            usage.ff_tokens += len(tokens) - 1
+            deltas.append(eng._append(seq, tokens))
+            return []
+        end = row + n_drafted  # the position after the draft: the controller's last answer applies
+        if seq.controller is None:
+            from .llm_engine import _Sample
+
+            return [_Sample(seq, end, None)]
+        return eng._take_branches(seq, end, d.answer, deltas)
+
+    def _check(self, seq, row: torch.Tensor, step: _Step) -> tuple[bool, int]:
+        """(accepted, the token the target puts there instead when not)."""
+        token = step.tokens[0]
+        if step.branch is not None and step.branch.mask is not None:
+            self.engine.sampler.apply_masks(row.unsqueeze(0), [step.branch.mask])
+        params = seq.params
+        if params.temperature == 0:
+            best = int(row.numpy().argmax())
+            return best == token, best
+        p = _probs(row, params)
+        q_token = 1.0 if step.q is None else float(step.q[token])  # prompt lookup proposes with certainty
+        if seq.rng.random() * q_token < float(p[token]):
+            return True, token
+        if step.q is None:
+            residual = p.clone()
+            residual[token] = 0.0
+        else:
+            residual = (p - step.q).clamp_(min=0.0)
+        if not float(residual.sum()) > 0.0:  # p <= q everywhere only by rounding
+            residual = p
+        return False, _inverse_cdf(residual, seq.rng.random())
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _stats(self, seq) -> SpecStats:
+        req = self.engine.requests[seq.request_id]
+        if req.spec_stats is None:
+            req.spec_stats = SpecStats()
+        return req.spec_stats
+
+    def release(self, seq) -> None:
+        """The sequence finished: drop its draft-cache blocks and estimates (and an unverified
+        draft: it finished before its verification, e.g. a fork of its request failed)."""
+        if seq.draft is not None:
+            del seq.token_ids[seq.draft.base:]
+            seq.draft = None
+        self.adaptive.pop(seq.seq_id, None)
+        if self._draft_model is not None:
+            self._draft_model.release(seq.seq_id)

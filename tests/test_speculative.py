@@ -1,0 +1,360 @@
+"""Speculative decoding (engine/speculative.py, docs/speculative.md).
+
+Greedy output with speculation must be token-for-token that without it, with and without
+controllers; the controllers here are stateful and mirror the sequence from what they are told
+(backtrack, append), so a wrong rewind report changes their masks and shows up in the output.
+Speculative sampling must follow the target's distribution (chi-square against the exact one)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from rudder import LLM, SamplingParams
+from rudder.branch import Branch
+from rudder.engine.model_runner import ModelRunner, ScheduledSeq
+from rudder.engine.speculative import _Adaptive
+
+V = 512
+MODES = [("lookup", 4), ("lookup", 8), ("draft", 3)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # block_size 4: rewinds cross block boundaries all the time; the draft is the target's first layer.
+    return LLM("tiny", kv_cache_tokens=8192, block_size=4, draft_model="layers:1", max_seqs=256)
+
+
+def mask_of(tokens):
+    words = np.zeros((V + 31) // 32, np.uint32)
+    for t in tokens:
+        words[t >> 5] |= np.uint32(1 << (t & 31))
+    return words
+
+
+def allowed_where(keep: np.ndarray):
+    return np.packbits(keep.astype(np.uint8), bitorder="little").view(np.uint32).copy()
+
+
+TOKENS = np.arange(V)
+
+
+class Mirror:
+    """A stateful controller: it keeps its own copy of the sequence from the calls alone, and
+    answers with `policy(seq, n_prompt)`; forks copy that state."""
+
+    def __init__(self, policy, log=None):
+        self.policy, self.seq, self.n_prompt = policy, None, 0
+        self.log = [] if log is None else log
+        self.branch = 0
+
+    def mid_process(self, branch_idx, backtrack, tokens):
+        if self.seq is None:
+            self.seq, self.n_prompt = list(tokens), len(tokens)
+        else:
+            assert 0 <= backtrack <= len(self.seq)
+            del self.seq[len(self.seq) - backtrack:]
+            self.seq.extend(tokens)
+        self.branch = self.branch if branch_idx == 0 else branch_idx
+        branches = self.policy(self)
+        # Like a Wasm controller, hand out masks in a buffer that the next call overwrites.
+        self.buffers = getattr(self, "buffers", None) or [np.zeros((V + 31) // 32, np.uint32) for _ in range(4)]
+        for branch, buf in zip(branches, self.buffers):
+            if branch.mask is not None:
+                buf[:] = branch.mask
+                branch.mask = buf
+        return branches
+
+    def fork(self):
+        twin = Mirror(self.policy, self.log)
+        twin.seq, twin.n_prompt, twin.branch = list(self.seq), self.n_prompt, self.branch
+        twin.buffers = [buf.copy() for buf in self.buffers]  # a fork copies the memory, masks included
+        return twin
+
+    def close(self):
+        self.log.append(list(self.seq))
+
+
+def sparse_mask(c):  # a state-dependent fifth of the vocabulary
+    s = c.seq
+    return allowed_where((TOKENS * 31 + len(s) * 7 + s[-1]) % 5 == 0)
+
+
+def free(c):
+    return [Branch()]
+
+
+def masked(c):
+    return [Branch(mask=sparse_mask(c))]
+
+
+def ff_mix(c):
+    s = c.seq
+    if len(s) % 7 == 0:
+        return [Branch(ff=[[(s[-1] * 3 + i) % V for i in range(3)]])]
+    mask = sparse_mask(c)
+    allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+    return [Branch(mask=mask, ff=[[int(t), int(t + 1) % V] for t in allowed[::4]])]
+
+
+def forks(c):
+    n = len(c.seq) - c.n_prompt
+    if n == 3 and c.branch == 0:
+        return [Branch(mask=sparse_mask(c)), Branch(mask=mask_of([c.seq[-1] % V, 17]))]
+    return [Branch()]
+
+
+def backtracks(c):
+    s = c.seq
+    if len(s) > c.n_prompt and s[-1] % 6 == 0:  # a banned token: take it back, sample again without it
+        return [Branch(backtrack=1, mask=allowed_where(TOKENS % 6 != 0))]
+    return [Branch()]
+
+
+def stops(c):
+    return [] if len(c.seq) - c.n_prompt >= 9 else masked(c)
+
+
+POLICIES = {"none": None, "free": free, "mask": masked, "ff": ff_mix, "fork": forks, "backtrack": backtracks,
+            "stop": stops}
+
+
+def prompts():
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(5):
+        motif = rng.integers(3, V, 6 + i).tolist()
+        out.append((motif * 4)[: 20 + 3 * i] + [int(rng.integers(3, V))])  # repetition: lookup finds matches
+    return out
+
+
+def run(llm, policy, mode=None, k=8, n=40, seed=0, temperature=0.0):
+    """Greedy by default; a seed makes the choice of k independent of timing (docs/speculative.md)."""
+    log = []
+    ps = prompts()
+    params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, seed=seed, speculative=mode,
+                             spec_k=k) for _ in ps]
+    ctls = None if policy is None else [Mirror(policy, log) for _ in ps]
+    outs = llm.generate(ps, params, controllers=ctls)
+    return [[b.token_ids for b in o.branches] for o in outs], outs, log
+
+
+def check_caches_empty(llm):
+    eng = llm.engine
+    eng.block_manager.check_invariants()
+    assert eng.block_manager.num_free == eng.block_manager.num_blocks
+    if eng.spec is not None and eng.spec._draft_model is not None:
+        dm = eng.spec._draft_model
+        assert dm.cached == {} and dm.bm.num_free == dm.bm.num_blocks
+
+
+@pytest.mark.parametrize("mode, k", MODES)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_greedy_speculation_is_token_for_token_plain_greedy(llm, policy, mode, k):
+    plain, _, _ = run(llm, POLICIES[policy])
+    spec, outs, spec_views = run(llm, POLICIES[policy], mode, k)
+    assert spec == plain  # the policies' masks depend on the controller's own view: a bad rewind shows here
+    assert len(spec_views) == (0 if policy == "none" else sum(len(b) for b in spec))  # every controller closed
+    stats = [o.speculative for o in outs]
+    assert all(s is not None and s["spec_steps"] > 0 for s in stats)
+    if policy not in ("stop", "fork"):
+        assert sum(s["accepted"] for s in stats) > 0
+    if policy not in ("stop", "fork", "backtrack"):  # (a backtrack costs plain decoding forwards too)
+        assert sum(s["target_forwards"] for s in stats) < sum(len(t[0]) for t in plain)
+    check_caches_empty(llm)
+
+
+def test_a_failing_fork_ends_its_request_without_unverified_tokens(llm):
+    def fork_then_fail(c):
+        if c.branch == 0 and len(c.seq) - c.n_prompt >= 12:  # fork 0 is verified first: fork 1 holds a draft
+            raise RuntimeError("fork 0 gives up")
+        return forks(c)
+
+    reference, _, _ = run(llm, forks, n=30)
+    for mode in ("lookup", "draft"):
+        spec, outs, _ = run(llm, fork_then_fail, mode, n=30)
+        for ref, got, out in zip(reference, spec, outs):
+            assert all(b.finish_reason == "error" and "fork 0 gives up" in b.error for b in out.branches)
+            for tokens, unfailed in zip(got, ref):  # only verified tokens: a prefix of the unfailed run
+                assert tokens == unfailed[: len(tokens)]
+        check_caches_empty(llm)
+
+
+def test_controller_fast_forwards_ride_along_as_free_drafts(llm):
+    _, outs, _ = run(llm, ff_mix, "lookup")
+    assert sum(o.speculative["forced"] for o in outs) > 0
+
+
+def test_speculative_and_plain_requests_share_a_batch(llm):
+    ps = prompts()
+    plain = llm.generate(ps, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    mixed = llm.generate(ps, [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                             speculative=("lookup", None, "draft")[i % 3]) for i in range(len(ps))])
+    assert [o.token_ids for o in mixed] == [o.token_ids for o in plain]
+    assert mixed[1].speculative is None and mixed[0].speculative["accepted"] > 0
+    check_caches_empty(llm)
+
+
+def test_a_target_that_cannot_verify_falls_back_to_plain_steps(llm):
+    plain, _, _ = run(llm, masked)
+    llm.engine.runner.multi_row_logits = False
+    try:
+        spec, outs, _ = run(llm, masked, "lookup")
+    finally:
+        del llm.engine.runner.multi_row_logits
+    assert spec == plain
+    assert all(o.speculative["fallbacks"] > 0 and o.speculative["drafted"] == 0 for o in outs)
+
+
+def test_cancelling_a_stream_frees_both_caches(llm):
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, speculative="draft", seed=0)
+    stream = llm.stream(prompts()[0], params)
+    for _ in range(6):
+        next(stream)
+    assert llm.engine.spec._draft_model.cached  # the draft cache follows the sequence
+    stream.close()
+    check_caches_empty(llm)
+
+
+def test_seeded_speculative_sampling_repeats(llm):
+    a, _, _ = run(llm, masked, "draft", seed=3, temperature=0.8)
+    b, _, _ = run(llm, masked, "draft", seed=3, temperature=0.8)
+    assert a == b
+
+
+def test_adaptive_k_follows_acceptance_and_controller_cost():
+    ad = _Adaptive()
+    for _ in range(20):
+        ad.observe(8, False)
+    assert ad.choose_k(8, t_target=0.06, t_draft=0.001) == 8
+    ad_bad = _Adaptive()
+    for _ in range(20):
+        ad_bad.observe(0, True)
+    ks = [ad_bad.choose_k(8, t_target=0.06, t_draft=0.001) for _ in range(16)]
+    assert ks == ([0] * 7 + [1]) * 2  # drafting stops, with a one-token probe every 8 steps
+    ad_mid = _Adaptive()
+    for _ in range(20):
+        ad_mid.observe(2, True)  # acceptance ~2/3
+    assert ad_mid.choose_k(8, t_target=0.06, t_draft=0.001) >= 4
+    ad_mid.ctl_time = 0.03  # a slow controller makes each draft token expensive
+    assert ad_mid.choose_k(8, t_target=0.06, t_draft=0.001) <= 2
+    assert ad_mid.choose_k(8, t_target=0.06, t_draft=0.001, timed=False) >= 4
+
+
+def test_bad_speculative_requests_are_value_errors(llm):
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="medusa").validate()
+    with pytest.raises(ValueError, match="spec_k"):
+        SamplingParams(speculative="lookup", spec_k=0).validate()
+    bad = LLM("tiny", kv_cache_tokens=256, draft_model="layers:9")
+    with pytest.raises(ValueError, match="draft model"):
+        bad.engine.add_request([5, 6, 7], SamplingParams(speculative="draft"))  # refused: nothing queued
+    assert not bad.engine.has_unfinished()
+    [out] = bad.generate([[5, 6, 7]], SamplingParams(max_tokens=4, speculative="lookup"))  # still serving
+    assert len(out.token_ids) == 4
+
+
+# -- distribution: speculative sampling follows the target --------------------------------------
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square(df) (Wilson-Hilferty; z = the normal 0.999 quantile)."""
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic, cells with an expected count under 5 pooled; (statistic, df)."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def _next_token_probs(model, ids, temperature, allowed=None):
+    runner = ModelRunner(model, num_blocks=8, block_size=16)
+    view = SimpleNamespace(token_ids=ids, num_cached=0)
+    logits = runner.run([ScheduledSeq(view, len(ids), list(range(len(ids))), list(range(8)), True)])[0].clone()
+    if allowed is not None:
+        logits[~torch.from_numpy(allowed)] = float("-inf")
+    return (logits / temperature).softmax(-1).double().numpy()
+
+
+FIRST = 77  # forced by the controller, so the speculated position has a known distribution
+
+
+@pytest.mark.parametrize("under_mask", [False, True])
+def test_speculative_sampling_matches_the_target_distribution(llm, under_mask):
+    prompt = [11, 22, 33, 44, 55]
+    allowed = (TOKENS * 13 % 16 < 3) if under_mask else None  # ~3/16 of the vocabulary
+    temperature = 1.0 if under_mask else 0.6
+
+    def policy(c):
+        if len(c.seq) == c.n_prompt:
+            return [Branch(ff=[[FIRST]])]
+        return [Branch(mask=None if allowed is None else allowed_where(allowed))]
+
+    n = 2500
+    params = [SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True, seed=i, speculative="draft",
+                             spec_k=2) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, controllers=[Mirror(policy) for _ in range(n)])
+    assert all(o.token_ids[0] == FIRST for o in outs)
+    seconds = np.array([o.token_ids[1] for o in outs])
+    drafted = sum(o.speculative["drafted"] for o in outs)
+    accepted = sum(o.speculative["accepted"] for o in outs)
+    assert drafted >= n and 0.1 < accepted / drafted < 0.95  # both acceptance and resampling happen
+
+    target = _next_token_probs(llm.model, prompt + [FIRST], temperature, allowed)
+    counts = np.bincount(seconds, minlength=V)
+    if allowed is not None:
+        assert not counts[~allowed].any()  # the mask holds on every speculated token
+    stat, df = _chi2(counts, target)
+    assert stat < _chi2_critical(df), (stat, df)
+
+    # The test has power: the draft's own distribution is rejected against the same samples.
+    draft_model = llm.engine.spec.draft_model.model
+    q = _next_token_probs(draft_model, prompt + [FIRST], temperature, allowed)
+    stat_q, df_q = _chi2(counts, q)
+    assert stat_q > _chi2_critical(df_q), (stat_q, df_q)
+
+
+# -- SmolLM2 with Wasm controllers ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol(smollm2_folder):
+    from rudder.controller import Limits
+
+    # Deadlines are not under test here, and a loaded 2-core machine misses the 25 ms default.
+    return LLM("smollm2", controller_limits=Limits(mid_process_ms=2000, init_ms=10000))
+
+
+SMOL_CASES = [
+    (None, "", "List three colours of the rainbow, then repeat the list."),
+    ("uppercase", "24", "Shout a greeting."),
+    ("choices", '["the red one", "the blue one", "the green one"]', "Which ball is best?"),
+    ("force", "Dear Sir, thank you for your letter", "Write a letter."),
+    ("fork", "2", "Name a boat."),
+    ("backtrack", " the", "Describe the sea in one sentence."),
+    ("regex", r"[A-Z][a-z]+ (is|was) [a-z ]{5,40}\.", "Describe a lighthouse."),
+    ("json", '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, '
+             '"required": ["name", "age"]}', "Invent a sailor: his name and age as JSON."),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", ["lookup", "draft"])
+@pytest.mark.parametrize("controller, arg, prompt", SMOL_CASES, ids=[c[0] or "none" for c in SMOL_CASES])
+def test_smollm2_greedy_speculation_is_exact_with_wasm_controllers(smol, controller, arg, prompt, mode):
+    def go(spec):
+        params = SamplingParams(max_tokens=24, temperature=0.0, speculative=spec, spec_k=4)
+        out = smol.generate([prompt], params, chat=True, controller=controller, controller_arg=arg)[0]
+        return [b.token_ids for b in out.branches], [b.finish_reason for b in out.branches], out
+
+    plain, reasons, _ = go(None)
+    spec, spec_reasons, out = go(mode)
+    assert spec == plain and spec_reasons == reasons
+    assert "error" not in reasons
+    if controller != "force":  # force fast-forwards everything at once: no decoding step to speculate on
+        assert out.speculative["spec_steps"] > 0
+    check_caches_empty(smol)
