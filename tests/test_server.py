@@ -350,3 +350,16 @@ def test_regex_extension_maps_onto_the_regex_controller(server):
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a number"}],
                                              max_tokens=8, seed=seed, extra_body={"rudder": {"regex": "[0-9]+"}})
         assert re.fullmatch("[0-9]+", out.choices[0].message.content), out.choices[0].message.content
+
+
+def test_speculative_run_reports_its_stats_and_matches_plain(server):
+    body = {"prompt": "a b c a b c a b c a b", "max_tokens": 24, "temperature": 0, "stream": False}
+    with server.client() as c:
+        plain = c.post("/v1/run", json=body).json()
+        spec = c.post("/v1/run", json={**body, "speculative": "lookup", "spec_k": 4}).json()
+        bad = c.post("/v1/run", json={**body, "speculative": "oracle"})
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    stats = spec["usage"]["speculative"]
+    assert stats["target_forwards"] >= 1 and stats["drafted"] >= stats["accepted"] >= 0
+    assert "speculative" not in plain["usage"]
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request"

@@ -125,7 +125,9 @@ class EngineLoop:
         if message is not None:
             error = from_finish(message, log_text[-2048:])
             self.metrics.failure(error.extra.get("kind", error.type))
-        result = Result(completions, len(req.prompt_ids), req.usage, time.perf_counter() - job.started, log_text, error)
+        spec = req.spec_stats.as_dict(sum(len(c.token_ids) for c in completions)) if req.spec_stats else None
+        result = Result(completions, len(req.prompt_ids), req.usage, time.perf_counter() - job.started, log_text, error,
+                        spec)
         self.metrics.finished(result)
         job.post(("done", result))
 

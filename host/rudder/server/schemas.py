@@ -18,6 +18,9 @@ class Sampling(_Body):
     top_k: int = Field(0, ge=0)
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
+    # Speculative decoding (docs/speculative.md): "lookup" or "draft", at most spec_k drafts a step.
+    speculative: Optional[Literal["lookup", "draft"]] = None
+    spec_k: int = Field(8, ge=1, le=32)
 
 
 class Message(_Body):

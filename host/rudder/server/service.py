@@ -44,7 +44,8 @@ class Service:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, stop=stop,
-                                  ignore_eos=getattr(body, "ignore_eos", False)).validate()
+                                  ignore_eos=getattr(body, "ignore_eos", False), speculative=body.speculative,
+                                  spec_k=body.spec_k).validate()
         except ValueError as e:
             raise APIError("invalid_request", str(e)) from None
 
