@@ -4,9 +4,11 @@
 
 /* ff tokens attached to one masked step (all lists together), at most; the host's budget may
  * be lower. Lists are only a shortcut, so a small cap keeps the step small. */
-#define MAX_LIST_TOKENS 256u
+#define MAX_LIST_TOKENS 64u
 /* Forced bytes followed in one go, at most (a longer run continues at the next step). */
 #define MAX_FORCED 1024u
+/* Memory for cached masks, at most. */
+#define MAX_MASK_BYTES (16u << 20)
 
 static rudder_rx *rx;
 static uint32_t start_state;
@@ -14,16 +16,20 @@ static uint32_t *states, n_states, cap_states;   /* states[k]: the DFA state aft
 static uint32_t eos, ff_budget;
 static uint8_t *run;                              /* scratch for forced bytes */
 
-/* Per DFA state, built on its first visit: the mask (with EOS when the state accepts) and the
- * ff lists of tokens after which the constraint forces more bytes. */
+/* Per DFA state, built on first use: the mask (with EOS when the state accepts), the ff lists
+ * of the tokens after which the constraint forces more bytes, and the fast-forward from the
+ * state itself (the forced tokens). */
 typedef struct {
-    const uint32_t *mask; /* NULL: no token continues */
-    uint32_t *lists;      /* [len, tokens...] one after another */
+    const uint32_t *mask;   /* the cached mask, or NULL (not cached, or no token continues) */
+    uint32_t *lists;        /* [len, tokens...] one after another */
     uint32_t n_lists;
-    bool ready;
+    uint32_t *ff, n_ff;     /* NULL: nothing to fast-forward */
+    bool ready;             /* the lists are known (the mask may not be cached) */
+    bool empty;             /* no token continues */
+    bool ff_ready;
 } state_info;
 static state_info *infos;
-static uint32_t cap_infos;
+static uint32_t cap_infos, cached_masks;
 
 int controller_start(const char *arg, uint32_t len) {
     static char err[256];
@@ -73,10 +79,17 @@ static uint32_t *forced_tokens(uint32_t state, uint32_t *n_out) {
         rudder_token_bytes(toks[i], &len);
         total += len;
     }
-    if (total != n)
-        n_toks = 0;
-    else if (rudder_rx_can_extend(rx, end) || !rudder_rx_accepting(rx, end))
-        n_toks--;
+    uint32_t keep = total != n ? 0 : rudder_rx_can_extend(rx, end) || !rudder_rx_accepting(rx, end) ? n_toks - 1 : n_toks;
+    /* End on a whole character (tokens can hold parts of one): what follows starts cleanly. */
+    uint32_t bytes = 0, boundary = 0;
+    n_toks = 0;
+    for (uint32_t i = 0; i < keep; i++) {
+        uint32_t len;
+        rudder_token_bytes(toks[i], &len);
+        bytes += len;
+        if (rudder_utf8_valid(run + boundary, bytes - boundary))
+            boundary = bytes, n_toks = i + 1;
+    }
     if (n_toks == 0) {
         rudder_free(toks);
         return NULL;
@@ -85,15 +98,42 @@ static uint32_t *forced_tokens(uint32_t state, uint32_t *n_out) {
     return toks;
 }
 
-/* Tokens allowed at a state whose end state forces more bytes: candidates for ff lists. */
+/* Grow `p` to hold at least `need` bytes (doubling); *cap is in bytes. */
+static void *grow_bytes(void *p, uint32_t *cap, uint32_t need) {
+    uint32_t c = *cap ? *cap : 256;
+    while (c < need)
+        c *= 2;
+    p = rudder_realloc(p, c);
+    if (!p)
+        rudder_panic("regex: out of memory");
+    *cap = c;
+    return p;
+}
+
+/* Tokens allowed at a state after which bytes are forced: candidates for ff lists. */
 typedef struct {
-    uint32_t *tokens, n, cap;
+    uint32_t *tokens, *ends, n, cap;
 } candidates;
+
+/* Per DFA state: 0 not known yet, 1 a byte is forced, 2 none (the walk asks once per token). */
+static uint8_t *forces;
+static uint32_t cap_forces;
 
 static bool note_forced(void *self, uint32_t state, uint32_t token) {
     candidates *c = self;
-    if (c->n < c->cap && rudder_rx_forced_byte(rx, state) >= 0)
-        c->tokens[c->n++] = token;
+    if (c->n >= c->cap)
+        return true;
+    if (state >= cap_forces) {
+        uint32_t old = cap_forces;
+        forces = grow_bytes(forces, &cap_forces, state + 1);
+        memset(forces + old, 0, cap_forces - old);
+    }
+    if (!forces[state])
+        forces[state] = rudder_rx_forced_byte(rx, state) >= 0 ? 1 : 2;
+    if (forces[state] == 1) {
+        c->tokens[c->n] = token;
+        c->ends[c->n++] = state;
+    }
     return true;
 }
 
@@ -102,56 +142,86 @@ static uint32_t push(void *self, uint32_t state, uint8_t byte) {
     return rudder_rx_push(rx, state, byte);
 }
 
-static const state_info *info(uint32_t state) {
+/* The state's entry (`infos` may move: do not keep the pointer across another slot() call). */
+static state_info *slot(uint32_t state) {
     if (state >= cap_infos) {
-        uint32_t old = cap_infos, cap = cap_infos ? cap_infos : 64;
-        while (cap <= state)
-            cap *= 2;
-        infos = rudder_realloc(infos, cap * sizeof(state_info));
-        if (!infos)
-            rudder_panic("regex: out of memory");
-        memset(infos + old, 0, (cap - old) * sizeof(state_info));
-        cap_infos = cap;
+        uint32_t old = cap_infos, bytes = cap_infos * sizeof(state_info);
+        infos = grow_bytes(infos, &bytes, (state + 1) * sizeof(state_info));
+        cap_infos = bytes / sizeof(state_info);
+        memset(infos + old, 0, (cap_infos - old) * sizeof(state_info));
     }
-    if (infos[state].ready)
-        return &infos[state];
-    /* One trie walk gives the mask and the tokens after which bytes are forced. */
-    uint32_t *mask = rudder_mask_new(), limit = ff_budget < MAX_LIST_TOKENS ? ff_budget : MAX_LIST_TOKENS;
+    return &infos[state];
+}
+
+/* The fast-forward from `state`, computed once per state. */
+static const uint32_t *forced_ff(uint32_t state, uint32_t *n) {
+    state_info *si = slot(state);
+    if (!si->ff_ready) {
+        uint32_t n_ff;
+        uint32_t *ff = forced_tokens(state, &n_ff);
+        si = slot(state);
+        si->ff = ff;
+        si->n_ff = n_ff;
+        si->ff_ready = true;
+    }
+    *n = si->n_ff;
+    return si->ff;
+}
+
+/* The mask of `state` (NULL: no token continues) and, in its slot, its ff lists. Masks are
+ * cached per state up to MAX_MASK_BYTES; past that, a state's mask is rebuilt in the SDK's
+ * per-step mask whenever it is needed (a very long pattern cannot exhaust memory). */
+static const uint32_t *mask_of(uint32_t state, rudder_out *out) {
+    state_info *si = slot(state);
+    if (si->ready && (si->mask || si->empty))
+        return si->mask;
+    bool cache = cached_masks < MAX_MASK_BYTES / (rudder_mask_words() * 4);
+    bool lists_wanted = !si->ready;
+    uint32_t *mask = cache ? rudder_mask_new() : rudder_out_mask(out);
     if (!mask)
         rudder_panic("regex: out of memory");
-    uint32_t cand[MAX_LIST_TOKENS];
-    candidates c = {.tokens = cand, .cap = limit / 2};   /* a list is at least 2 tokens */
-    rudder_recognizer r = {.push = push, .allow = note_forced, .self = &c};
-    uint32_t count = rudder_trie_fill_mask(mask, &r, state);
+    /* One trie walk gives the mask and the tokens after which bytes are forced. */
+    uint32_t limit = ff_budget < MAX_LIST_TOKENS ? ff_budget : MAX_LIST_TOKENS;
+    uint32_t cand[MAX_LIST_TOKENS / 2], ends[MAX_LIST_TOKENS / 2];
+    candidates c = {.tokens = cand, .ends = ends, .cap = lists_wanted ? limit / 2 : 0};   /* a list is >= 2 tokens */
+    /* Two calls, so that each inlines its recognizer (no call per trie node). */
+    static const rudder_recognizer plain = {.push = push};
+    const rudder_recognizer noting = {.push = push, .allow = note_forced, .self = &c};
+    uint32_t count = c.cap ? rudder_trie_fill_mask(mask, &noting, state) : rudder_trie_fill_mask(mask, &plain, state);
     if (rudder_rx_accepting(rx, state) && eos != RUDDER_NO_TOKEN) {
         rudder_mask_set(mask, eos);
         count++;
     }
     uint32_t *lists = NULL, used = 0, n_lists = 0, list_tokens = 0;
     for (uint32_t i = 0; i < c.n; i++) {
-        uint32_t len, n_toks;
-        const uint8_t *bytes = rudder_token_bytes(cand[i], &len);
-        uint32_t after = rudder_rx_push_bytes(rx, state, bytes, len);
-        uint32_t *toks = forced_tokens(after, &n_toks);
-        if (toks && list_tokens + 1 + n_toks <= limit) {
-            list_tokens += 1 + n_toks;
-            lists = rudder_realloc(lists, (used + 2 + n_toks) * sizeof(uint32_t));
-            if (!lists)
-                rudder_panic("regex: out of memory");
-            lists[used] = 1 + n_toks;
-            lists[used + 1] = cand[i];
-            memcpy(lists + used + 2, toks, n_toks * sizeof(uint32_t));
-            used += 2 + n_toks;
-            n_lists++;
-        }
-        rudder_free(toks);
+        uint32_t n_ff;
+        const uint32_t *ff = forced_ff(ends[i], &n_ff);
+        if (!ff || list_tokens + 1 + n_ff > limit)
+            continue;
+        list_tokens += 1 + n_ff;
+        lists = rudder_realloc(lists, (used + 2 + n_ff) * sizeof(uint32_t));
+        if (!lists)
+            rudder_panic("regex: out of memory");
+        lists[used] = 1 + n_ff;
+        lists[used + 1] = cand[i];
+        memcpy(lists + used + 2, ff, n_ff * sizeof(uint32_t));
+        used += 2 + n_ff;
+        n_lists++;
     }
-    state_info *si = &infos[state];   /* `infos` does not move during the walk */
-    si->mask = count ? mask : NULL;
-    si->lists = lists;
-    si->n_lists = n_lists;
-    si->ready = true;
-    return si;
+    si = slot(state);
+    if (lists_wanted) {
+        si->lists = lists;
+        si->n_lists = n_lists;
+        si->ready = true;
+    }
+    si->empty = count == 0;
+    if (cache && count) {
+        si->mask = mask;
+        cached_masks++;
+    } else if (cache) {
+        rudder_free(mask);
+    }
+    return count ? mask : NULL;
 }
 
 void controller_step(const rudder_step *step, rudder_out *out) {
@@ -171,7 +241,7 @@ void controller_step(const rudder_step *step, rudder_out *out) {
     for (uint32_t i = known; i < n_gen; i++) {
         uint32_t len, tok = step->seq[step->n_prompt + i];
         const uint8_t *bytes = rudder_token_bytes(tok, &len);
-        if (!bytes || (len == 0 && tok == eos)) {
+        if (!bytes || len == 0) {
             rudder_out_fail(out, "regex: a special token was generated inside the match");
             return;
         }
@@ -195,18 +265,18 @@ void controller_step(const rudder_step *step, rudder_out *out) {
     if (rudder_rx_accepting(rx, state) && !rudder_rx_can_extend(rx, state))
         return;   /* the match is complete: stop */
     uint32_t n_ff;
-    uint32_t *ff = ff_budget ? forced_tokens(state, &n_ff) : NULL;
+    const uint32_t *ff = ff_budget ? forced_ff(state, &n_ff) : NULL;
     if (ff) {
         rudder_out_ff(out, ff, n_ff < ff_budget ? n_ff : ff_budget);
-        rudder_free(ff);
         return;
     }
-    const state_info *si = info(state);
-    if (!si->mask) {
+    const uint32_t *mask = mask_of(state, out);
+    if (!mask) {
         rudder_out_fail(out, "regex: no token of the vocabulary continues the match");
         return;
     }
-    rudder_branch *b = rudder_out_sample(out, si->mask);
+    const state_info *si = slot(state);
+    rudder_branch *b = rudder_out_sample(out, mask);
     for (uint32_t i = 0, at = 0; i < si->n_lists; i++) {
         rudder_out_ff_list(out, b, si->lists + at + 1, si->lists[at]);
         at += 1 + si->lists[at];

@@ -64,7 +64,7 @@ static void arena_free(arena_block *b) {
  * Syntax tree.
  * ------------------------------------------------------------------------------------------ */
 
-enum { N_EMPTY, N_BYTES, N_CLASS, N_CAT, N_ALT, N_REP };
+enum { N_BYTES, N_CLASS, N_CAT, N_ALT, N_REP };
 
 typedef struct rx_node {
     uint8_t kind;
@@ -131,7 +131,7 @@ static void add_range(parser *p, uint32_t lo, uint32_t hi) {
     p->ranges[p->n_ranges++] = hi;
 }
 
-/* Sort and merge the ranges from pair index `from` on (in place); returns the new pair count. */
+/* Sort and merge n ranges (pairs) in place; returns the new number of pairs. */
 static uint32_t normalize_ranges(uint32_t *r, uint32_t n) {
     for (uint32_t i = 1; i < n; i++) {   /* insertion sort: classes are small */
         uint32_t lo = r[2 * i], hi = r[2 * i + 1], j = i;
@@ -467,7 +467,7 @@ static uint32_t parse_repeat(parser *p) {
     uint32_t atom = parse_atom(p);
     while (!p->failed && p->pos < p->len) {
         uint8_t c = p->s[p->pos];
-        uint32_t mn, mx, at = p->pos;
+        uint32_t mn, mx;
         if (c == '*')
             mn = 0, mx = NONE, p->pos++;
         else if (c == '+')
@@ -485,7 +485,6 @@ static uint32_t parse_repeat(parser *p) {
             return fail(p, "possessive quantifiers are not supported");
         if (p->pos < p->len && (p->s[p->pos] == '*' || p->s[p->pos] == '+' || p->s[p->pos] == '?'))
             return fail_at(p, p->pos, "multiple repeat");
-        (void)at;
         uint32_t id = new_node(p, N_REP);
         p->nodes[id].first = atom;
         p->nodes[id].a = mn;
@@ -651,8 +650,6 @@ static uint32_t compile_node(rudder_rx *rx, const parser *p, uint32_t id, uint32
         return 0;
     const rx_node *nd = &p->nodes[id];
     switch (nd->kind) {
-    case N_EMPTY:
-        return next;
     case N_BYTES:
         return nfa_add(rx, S_BYTE, nd->lo, nd->hi, next, NONE);
     case N_CLASS: {
