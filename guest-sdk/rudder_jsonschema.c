@@ -883,6 +883,14 @@ rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t
     int32_t budget = rudder_config(RUDDER_CONFIG_MAX_FF);
     js->ff_budget = budget > 0 ? (uint32_t)budget : 0;
     js->cache = rudder_zalloc(CACHE_SLOTS * sizeof(entry));
+    /* every slot's mask up front: growing memory in the middle of a step costs milliseconds */
+    uint32_t words = rudder_mask_words();
+    uint32_t *masks = rudder_xalloc((size_t)CACHE_SLOTS * words * 4);
+    for (uint32_t i = 0; i < CACHE_SLOTS; i++) {
+        js->cache[i].mask = masks + (size_t)i * words;
+        js->cache[i].toks = rudder_xalloc(64 * 4);
+        js->cache[i].cap_toks = 64;
+    }
     js->walk = rudder_xalloc((rudder_js_max_token() + 2) * sizeof(rudder_js_state));
     if (!js->cache)
         rudder_panic("jsonschema: out of memory");
@@ -1614,15 +1622,19 @@ void rudder_js_init_tables(void) {
 
 static uint32_t rudder_js_max_token(void) { return g_max_token; }
 
-/* Inside a string with no pattern (a value, or a free object key), at a character boundary:
- * returns the room left in characters (NONE: unbounded), or 0 when the fast path does not apply. */
-static uint32_t free_string_room(const rudder_js *js, const st *s) {
+/* Inside a string (a value, or a free object key), at a character boundary: returns the room
+ * left in characters (NONE: unbounded), or 0 when the fast path does not apply; *rx is the
+ * string's pattern (NULL: none). */
+static uint32_t free_string_room(const rudder_js *js, const st *s, const jnode **rx) {
     const rudder_js_frame *f = &s->f[s->sp - 1];
+    *rx = NULL;
     if (s->sp < 2 || s->lphase != SL_CHAR)
         return 0;
     const jnode *n = &js->nodes[f->node];
-    if (n->kind == K_STRING && f->phase == S_IN && !n->rx)
+    if (n->kind == K_STRING && f->phase == S_IN) {
+        *rx = n->rx ? n : NULL;
         return n->max == NONE ? NONE : n->max - s->len;
+    }
     /* an extra key takes any plain characters (whether it still follows a declared key only
      * matters at its closing quote, a special token) */
     return n->kind == K_OBJECT && f->phase == O_IN_KEY && (f->flags & 1) ? NONE : 0;
@@ -1630,12 +1642,19 @@ static uint32_t free_string_room(const rudder_js *js, const st *s) {
 
 static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
     uint32_t count = 0;
-    uint32_t room = free_string_room(js, s0);
+    const jnode *rx;
+    uint32_t room = free_string_room(js, s0, &rx);
     if (room) {
-        memcpy(mask, g_plain_upto[room < SHORT ? room : SHORT], 4 * rudder_mask_words());
+        uint32_t words = rudder_mask_words();
+        memcpy(mask, g_plain_upto[room < SHORT ? room : SHORT], 4 * words);
         for (uint32_t i = 0; room > SHORT && i < g_n_long; i++)
             if (g_chars[g_long[i]] <= room)
                 rudder_mask_set(mask, g_long[i]);
+        if (rx) {   /* plain tokens are their own characters: the pattern's cached mask filters them */
+            const uint32_t *allowed = rudder_rx_mask(rx->rx, s0->rx);
+            for (uint32_t w = 0; w < words; w++)
+                mask[w] &= allowed[w];
+        }
         st t;
         for (uint32_t i = 0; i < g_n_special; i++) {
             uint32_t tok = g_special[i], len;
@@ -1763,22 +1782,21 @@ static void build(rudder_js *js, const st *s, entry *e) {
     *in = (rudder_js_info){0};
     e->n_toks = 0;
     in->accepting = accepting(js, s);
-    if (js->ff) {
+    if (js->ff && js->ff_budget) {
         uint32_t k = forced_tokens(js, s, e);
+        if (k > js->ff_budget)
+            k = js->ff_budget;   /* the host's limit per step: the rest comes next step */
         if (k) {
             in->ff = e->toks;
             in->n_ff = k;
             return;
         }
     }
-    if (!e->mask)
-        e->mask = rudder_mask_new();
-    else
-        rudder_mask_clear_all(e->mask);
+    rudder_mask_clear_all(e->mask);
     uint32_t count = fill_mask(js, s, e->mask);
     uint32_t eos = rudder_eos_token();
     in->mask = e->mask;
-    if (count && js->ff && count <= LIST_MAX_ALLOWED) {   /* a choice that forces what follows */
+    if (count && js->ff && js->ff_budget && count <= LIST_MAX_ALLOWED) {   /* a choice that forces what follows */
         uint32_t budget = js->ff_budget, words = rudder_mask_words();
         for (uint32_t w = 0; w < words; w++)
             for (uint32_t bits = e->mask[w]; bits; bits &= bits - 1) {
