@@ -356,8 +356,9 @@ def test_builtin_modules_have_exactly_the_abi_surface(debug):
 
 
 def test_release_modules_are_small():
+    # json carries two engines (JSON Schema and, for pattern/format, regex)
     for name in BUILTIN_CONTROLLERS:
-        assert builtin_controller(name).stat().st_size < 40_000, name
+        assert builtin_controller(name).stat().st_size < (100_000 if name == "json" else 40_000), name
 
 
 def test_build_error_is_clear(tmp_path):
