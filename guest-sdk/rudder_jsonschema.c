@@ -1583,6 +1583,8 @@ static bool final(const rudder_js *js, const st *s) {
 #define SHORT 24u
 static uint32_t *g_plain_upto[SHORT + 1], *g_special, g_n_special, *g_long, g_n_long, g_max_token;
 static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
+static uint32_t g_first[256], g_n_first;   /* the trie's first-level nodes, and their bytes */
+static uint8_t g_first_byte[256];
 
 void rudder_js_init_tables(void) {
     if (g_special)
@@ -1614,6 +1616,11 @@ void rudder_js_init_tables(void) {
             rudder_mask_set(g_plain_upto[chars], t);
         else
             g_long[g_n_long++] = t;
+    }
+    const rudder_trie *tr = rudder_trie_get();
+    for (uint32_t i = 1; i < tr->n_nodes && g_n_first < 256; i += tr->nodes[2 * i + 1]) {
+        g_first_byte[g_n_first] = (uint8_t)tr->nodes[2 * i];
+        g_first[g_n_first++] = i;
     }
     for (uint32_t k = 1; k <= SHORT; k++)   /* cumulative */
         for (uint32_t w = 0; w < words; w++)
@@ -1665,31 +1672,44 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
         }
         return rudder_mask_count(mask);
     }
-    /* The trie walk, one state per depth; a dead byte skips its whole subtree. */
+    /* The trie walk, one state per depth; a dead byte skips its whole subtree. The first
+     * level comes from a compact copy (most states kill most first bytes, and the first-level
+     * nodes are spread over the whole trie). */
     const rudder_trie *tr = rudder_trie_get();
     const uint32_t *nodes = tr->nodes;
-    uint32_t *ends = tr->ends, n = tr->n_nodes, depth = 0, i = 1;
+    uint32_t *ends = tr->ends;
     st *J = js->walk;
     copy_state(&J[0], s0);
-    ends[0] = n;
-    while (i < n) {
-        while (i >= ends[depth])
-            depth--;
-        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
-        st *child = &J[depth + 1];
-        copy_state(child, &J[depth]);
-        if (!push_byte(js, child, (uint8_t)w0)) {
-            i += size;
+    for (uint32_t r = 0; r < g_n_first; r++) {
+        uint32_t at = g_first[r], w0 = nodes[2 * at], end = at + nodes[2 * at + 1];
+        copy_state(&J[1], &J[0]);
+        if (!push_byte(js, &J[1], (uint8_t)g_first_byte[r]))
             continue;
-        }
-        uint32_t tok1 = w0 >> 8;
-        if (tok1) {
-            mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+        if (w0 >> 8) {
+            mask[((w0 >> 8) - 1) >> 5] |= 1u << (((w0 >> 8) - 1) & 31);
             count++;
         }
-        if (size > 1)
-            ends[++depth] = i + size;
-        i++;
+        uint32_t depth = 1, i = at + 1;
+        ends[1] = end;
+        while (i < end) {
+            while (i >= ends[depth])
+                depth--;
+            uint32_t w = nodes[2 * i], size = nodes[2 * i + 1];
+            st *child = &J[depth + 1];
+            copy_state(child, &J[depth]);
+            if (!push_byte(js, child, (uint8_t)w)) {
+                i += size;
+                continue;
+            }
+            uint32_t tok1 = w >> 8;
+            if (tok1) {
+                mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+                count++;
+            }
+            if (size > 1)
+                ends[++depth] = i + size;
+            i++;
+        }
     }
     return count;
 }
