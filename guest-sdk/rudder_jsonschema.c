@@ -1486,58 +1486,61 @@ static bool accepting(const rudder_js *js, const st *s0) {
 bool rudder_js_accepting(rudder_js *js, const st *s) { return accepting(js, s); }
 
 /* A superset of the bytes that can come next, from the top frame alone; false when it could
- * be almost anything (inside strings and numbers, whitespace allowed): try all 256 then. */
+ * be almost anything (inside strings, numbers, extra keys, after a complete literal). */
 static bool candidates(const rudder_js *js, const st *s, uint32_t set[8]) {
     const rudder_js_frame *f = &s->f[s->sp - 1];
     memset(set, 0, 32);
-    if (js->flexible)
-        return false;
+    bool between = true;   /* between tokens of JSON: whitespace may come (flexible) */
     if (s->sp == 1) {
         if (f->phase == D_START)
             memcpy(set, js->nodes[js->root].first, 32);
-        return true;
-    }
-    const jnode *n = &js->nodes[f->node];
-    if (f->phase == V_START) {
-        memcpy(set, n->first, 32);
-        return true;
-    }
-    switch (n->kind) {
-    case K_OBJECT:
-        switch (f->phase) {
-        case O_KEY_OR_END: set_bit(set, '}'); /* fall through */
-        case O_KEY: set_bit(set, '"'); return true;
-        case O_COLON: set_bit(set, ':'); return true;
-        case O_AFTER: set_bit(set, ','), set_bit(set, '}'); return true;
-        case O_IN_KEY:
-            if ((f->flags & 1) || f->aux == NONE)
+    } else if (f->phase == V_START) {
+        memcpy(set, js->nodes[f->node].first, 32);
+    } else {
+        const jnode *n = &js->nodes[f->node];
+        switch (n->kind) {
+        case K_OBJECT:
+            switch (f->phase) {
+            case O_KEY_OR_END: set_bit(set, '}'); /* fall through */
+            case O_KEY: set_bit(set, '"'); break;
+            case O_COLON: set_bit(set, ':'); break;
+            case O_AFTER: set_bit(set, ','), set_bit(set, '}'); break;
+            default:   /* O_IN_KEY */
+                if ((f->flags & 1) || f->aux == NONE)
+                    return false;
+                for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+                    set_bit(set, js->trie[c].byte);
+                between = false;
+            }
+            break;
+        case K_ARRAY: {
+            uint32_t item = f->aux < n->n ? js->idx[n->a + f->aux] : n->extra;
+            if (f->phase == A_AFTER) {
+                set_bit(set, ','), set_bit(set, ']');
+                break;
+            }
+            if (f->phase == A_ITEM_OR_END)
+                set_bit(set, ']');
+            if (item != NONE)
+                for (uint32_t w = 0; w < 8; w++)
+                    set[w] |= js->nodes[item].first[w];
+            break;
+        }
+        case K_LITS:
+            if (js->trie[f->aux].term != NONE)
                 return false;
             for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
                 set_bit(set, js->trie[c].byte);
-            return true;
-        }
-        return false;
-    case K_ARRAY: {
-        uint32_t item = f->aux < n->n ? js->idx[n->a + f->aux] : n->extra;
-        if (f->phase == A_AFTER) {
-            set_bit(set, ','), set_bit(set, ']');
-            return true;
-        }
-        if (f->phase == A_ITEM_OR_END)
-            set_bit(set, ']');
-        if (item != NONE)
-            for (uint32_t w = 0; w < 8; w++)
-                set[w] |= js->nodes[item].first[w];
-        return true;
-    }
-    case K_LITS:
-        if (js->trie[f->aux].term != NONE)
+            between = false;
+            break;
+        default:
             return false;
-        for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
-            set_bit(set, js->trie[c].byte);
-        return true;
+        }
     }
-    return false;
+    if (js->flexible && between) {
+        set_bit(set, ' '), set_bit(set, '\n'), set_bit(set, '\t'), set_bit(set, '\r');
+    }
+    return true;
 }
 
 /* How many bytes can follow `s` (0, 1 or 2 = "several"); the byte when it is one. */
@@ -1680,7 +1683,11 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
     uint32_t *ends = tr->ends;
     st *J = js->walk;
     copy_state(&J[0], s0);
+    uint32_t set[8];
+    bool narrow = candidates(js, s0, set);
     for (uint32_t r = 0; r < g_n_first; r++) {
+        if (narrow && !bit(set, g_first_byte[r]))
+            continue;
         uint32_t at = g_first[r], w0 = nodes[2 * at], end = at + nodes[2 * at + 1];
         copy_state(&J[1], &J[0]);
         if (!push_byte(js, &J[1], (uint8_t)g_first_byte[r]))
