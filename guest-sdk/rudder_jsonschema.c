@@ -1527,12 +1527,31 @@ static bool candidates(const rudder_js *js, const st *s, uint32_t set[8]) {
             break;
         }
         case K_LITS:
-            if (js->trie[f->aux].term != NONE)
+        case K_NUMBER: {   /* its own next bytes, and when it may end here, the parent's */
+            bool may_end;
+            if (n->kind == K_LITS) {
+                for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+                    set_bit(set, js->trie[c].byte);
+                may_end = js->trie[f->aux].term != NONE;
+            } else if (f->phase == N_IN) {
+                for (const char *c = "0123456789.eE+-"; *c; c++)
+                    set_bit(set, (uint8_t)*c);
+                may_end = number_complete(n, s);
+            } else {
                 return false;
-            for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
-                set_bit(set, js->trie[c].byte);
-            between = false;
-            break;
+            }
+            if (may_end) {
+                st up;
+                uint32_t more[8];
+                copy_state(&up, s);
+                child_done(js, &up);
+                if (!candidates(js, &up, more))
+                    return false;
+                for (uint32_t w = 0; w < 8; w++)
+                    set[w] |= more[w];
+            }
+            return true;
+        }
         default:
             return false;
         }
