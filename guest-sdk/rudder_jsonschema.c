@@ -219,6 +219,7 @@ static bool is_annotation(const rudder_str *k) {
 
 static uint32_t compile(comp *c, const rudder_jv *s);
 static uint32_t rudder_js_max_token(void);
+static uint32_t rx_min_bytes(rudder_rx *rx, uint32_t state, uint32_t limit);
 
 static uint32_t memo_get(comp *c, const rudder_jv *s) {
     for (uint32_t i = 0; i < c->n_memo; i++)
@@ -545,6 +546,10 @@ static uint32_t compile_string(comp *c, uint32_t id, const rudder_jv *s) {
         if (!rx)
             return cfail(c, msg, "format", 6);
     }
+    if (rx && min > 0)
+        return cfail(c, "minLength with pattern/format is not supported", NULL, 0);
+    if (rx && max != NONE && rx_min_bytes(rx, rudder_rx_start(rx, NULL), max) > max)
+        return cfail(c, "no string within maxLength matches the pattern/format", NULL, 0);
     jnode *node = &c->js->nodes[id];
     node->kind = K_STRING;
     node->min = min;
@@ -1103,6 +1108,59 @@ static inline bool rx_push(const jnode *n, st *s, uint8_t b) {
     return s->rx != RUDDER_DEAD;
 }
 
+/* The fewest bytes that take the pattern from `state` to a match, if at most `limit` (else
+ * limit + 1): a breadth-first search over the DFA, one representative byte per byte class,
+ * cached per state. With maxLength, a character is allowed only if a match stays in reach. */
+#define DIST_SLOTS 512u
+#define BFS_MAX 2048u
+static struct {
+    const rudder_rx *rx;
+    uint32_t state, limit, dist;
+} g_dist[DIST_SLOTS];
+
+static uint32_t rx_min_bytes(rudder_rx *rx, uint32_t state, uint32_t limit) {
+    uint32_t h = (state * 2654435761u ^ (uint32_t)(uintptr_t)rx) % DIST_SLOTS;
+    if (g_dist[h].rx == rx && g_dist[h].state == state && (g_dist[h].dist <= g_dist[h].limit || g_dist[h].limit >= limit))
+        return g_dist[h].dist <= limit ? g_dist[h].dist : limit + 1;
+    const rudder_rx_dfa *d = (const rudder_rx_dfa *)rx;
+    uint8_t reps[256];
+    uint32_t n_reps = 0, seen_class[8] = {0};
+    for (uint32_t b = 0; b < 256; b++)
+        if (!bit(seen_class, d->classes[b]))
+            set_bit(seen_class, d->classes[b]), reps[n_reps++] = (uint8_t)b;
+    static uint32_t queue[BFS_MAX];
+    uint32_t head = 0, tail = 0, level_end, dist = 0, found = limit + 1;
+    queue[tail++] = state;
+    if (rudder_rx_accepting(rx, state))
+        found = 0;
+    while (found > limit && head < tail && dist < limit) {
+        level_end = tail;
+        dist++;
+        for (; head < level_end && found > limit; head++)
+            for (uint32_t r = 0; r < n_reps; r++) {
+                uint32_t nx = rudder_rx_push(rx, queue[head], reps[r]);
+                if (nx == RUDDER_DEAD)
+                    continue;
+                if (rudder_rx_accepting(rx, nx)) {
+                    found = dist;
+                    break;
+                }
+                bool seen = false;
+                for (uint32_t k = 0; k < tail && !seen; k++)
+                    seen = queue[k] == nx;
+                if (!seen) {
+                    if (tail == BFS_MAX) {   /* too many states to search: assume reachable */
+                        found = dist;
+                        break;
+                    }
+                    queue[tail++] = nx;
+                }
+            }
+    }
+    g_dist[h].rx = rx, g_dist[h].state = state, g_dist[h].limit = limit, g_dist[h].dist = found;
+    return found;
+}
+
 static int count_char(const jnode *n, st *s, uint8_t b) {
     if (n) {
         if (n->max != NONE && s->len >= n->max)
@@ -1111,6 +1169,11 @@ static int count_char(const jnode *n, st *s, uint8_t b) {
             s->len++;
         if (!rx_push(n, s, b))
             return DEAD;
+        if (n->rx && n->max != NONE) {   /* the rest of this character is free: u8need bytes */
+            uint32_t room = n->max - s->len + s->u8need;
+            if (rx_min_bytes(n->rx, s->rx, room) > room)
+                return DEAD;
+        }
     }
     return OK;
 }
@@ -1124,9 +1187,12 @@ static const char ESC_FROM[] = "\"\\/bfnrt", ESC_TO[] = "\"\\/\b\f\n\r\t";
 static bool escape_possible(const jnode *n, const st *s) {
     if (!n->rx)
         return true;
-    for (uint32_t i = 0; ESC_TO[i]; i++)
-        if (rudder_rx_push(n->rx, s->rx, (uint8_t)ESC_TO[i]) != RUDDER_DEAD)
+    st t;
+    for (uint32_t i = 0; ESC_TO[i]; i++) {
+        copy_state(&t, s);
+        if (count_char(n, &t, (uint8_t)ESC_TO[i]) == OK)
             return true;
+    }
     return false;
 }
 
@@ -1661,6 +1727,8 @@ static uint32_t free_string_room(const rudder_js *js, const st *s, const jnode *
         return 0;
     const jnode *n = &js->nodes[f->node];
     if (n->kind == K_STRING && f->phase == S_IN) {
+        if (n->rx && n->max != NONE)
+            return 0;   /* each character must keep a match within reach: the walk checks */
         *rx = n->rx ? n : NULL;
         return n->max == NONE ? NONE : n->max - s->len;
     }
