@@ -41,6 +41,7 @@ typedef struct {
     rudder_rx *rx;       /* string: pattern/format over the decoded characters */
     char *path;          /* union: where it came from (for the overlap error) */
     uint32_t first[8];   /* bytes a value can start with */
+    uint32_t need;       /* frames a value needs at least (nesting): opened only where they fit */
 } jnode;
 
 typedef struct {
@@ -826,6 +827,40 @@ static bool finish_nodes(rudder_js *js, char *err, uint32_t cap) {
                 }
         }
     }
+    /* need: the least nesting a complete value takes (to a fixpoint: recursion) */
+    for (uint32_t i = 0; i < js->n_nodes; i++)
+        js->nodes[i].need = js->nodes[i].kind == K_STRING || js->nodes[i].kind == K_NUMBER || js->nodes[i].kind == K_LITS ? 1 : 1000;
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (uint32_t i = 0; i < js->n_nodes; i++) {
+            jnode *n = &js->nodes[i];
+            uint32_t need = n->need;
+            if (n->kind == K_UNION) {
+                for (uint32_t k = 0; k < n->n; k++)
+                    if (js->nodes[js->idx[n->a + k]].need < need)
+                        need = js->nodes[js->idx[n->a + k]].need;
+            } else if (n->kind == K_OBJECT || n->kind == K_ARRAY) {
+                uint32_t inner = 0;
+                for (uint32_t k = 0; k < n->n; k++) {
+                    uint32_t v = n->kind == K_OBJECT ? (((n->req >> k) & 1) ? js->props[n->a + k].value : NONE)
+                                                     : (k < n->min ? js->idx[n->a + k] : NONE);
+                    if (v != NONE && js->nodes[v].need > inner)
+                        inner = js->nodes[v].need;
+                }
+                if (n->kind == K_ARRAY && n->min > n->n && n->extra != NONE && js->nodes[n->extra].need > inner)
+                    inner = js->nodes[n->extra].need;
+                if (1 + inner < need)
+                    need = 1 + inner;
+            }
+            if (need < n->need)
+                n->need = need, changed = true;
+        }
+    }
+    if (js->nodes[js->root].need + 1 > RUDDER_JS_MAX_DEPTH) {
+        uint32_t m = 0;
+        err_append(err, cap, &m, "the schema nests deeper than 31 levels", 38);
+        return false;
+    }
     for (uint32_t i = 0; i < js->n_nodes; i++) {
         jnode *n = &js->nodes[i];
         if (n->kind != K_UNION)
@@ -931,8 +966,13 @@ static inline void lex_reset(st *s) {
     s->num = 0;
 }
 
-static inline bool push_frame(st *s, uint32_t node) {
-    if (s->sp >= RUDDER_JS_MAX_DEPTH)
+/* Does a value of `node` fit as a child of the top frame? */
+static inline bool fits(const rudder_js *js, const st *s, uint32_t node) {
+    return s->sp + js->nodes[node].need <= RUDDER_JS_MAX_DEPTH;
+}
+
+static inline bool push_frame(const rudder_js *js, st *s, uint32_t node) {
+    if (!fits(js, s, node))
         return false;
     s->f[s->sp++] = (rudder_js_frame){(uint16_t)node, V_START, 0, 0, 0};
     return true;
@@ -1293,6 +1333,17 @@ static inline uint64_t key_range(const jnode *n, uint32_t next) {
     return upto & (~0ull << next);
 }
 
+/* key_range, less the properties whose value would not fit here (nesting) */
+static uint64_t key_range_fit(const rudder_js *js, const st *s, const jnode *n, uint32_t next) {
+    uint64_t range = key_range(n, next), fit = range;
+    for (uint64_t r = range; r; r &= r - 1) {
+        uint32_t k = (uint32_t)__builtin_ctzll(r);
+        if (!fits(js, s, js->props[n->a + k].value))
+            fit &= ~(1ull << k);
+    }
+    return fit;
+}
+
 static void key_done(st *s, rudder_js_frame *f, const jnode *n, uint32_t cur) {
     f->phase = O_COLON;
     f->aux = 0;
@@ -1302,7 +1353,7 @@ static void key_done(st *s, rudder_js_frame *f, const jnode *n, uint32_t cur) {
 }
 
 static int key_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode *n, uint8_t b) {
-    uint64_t range = key_range(n, f->aux2 & 0xff);
+    uint64_t range = key_range_fit(js, s, n, f->aux2 & 0xff);
     bool extras = f->flags & 1;
     uint32_t c = f->aux != NONE ? tchild(js, f->aux, b) : NONE;
     if (extras && b == '"' && s->lphase == SL_CHAR) {   /* the key ends */
@@ -1343,8 +1394,8 @@ static int obj_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
         return OK;
     uint32_t next = f->aux2 & 0xff;
     bool can_end = next_required(n, next) == NONE;
-    bool extras = n->extra != NONE && can_end;
-    bool more = next < n->n || extras;
+    bool extras = n->extra != NONE && can_end && fits(js, s, n->extra);
+    bool more = key_range_fit(js, s, n, next) != 0 || extras;
     switch (f->phase) {
     case O_KEY_OR_END:
         if (b == '}') {
@@ -1368,7 +1419,7 @@ static int obj_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
             return DEAD;
         uint32_t cur = f->aux2 >> 8;
         f->phase = O_VALUE;
-        return push_frame(s, cur == 0xff ? n->extra : js->props[n->a + cur].value) ? OK : DEAD;
+        return push_frame(js, s, cur == 0xff ? n->extra : js->props[n->a + cur].value) ? OK : DEAD;
     }
     case O_AFTER:
         if (b == ',' && more) {
@@ -1389,7 +1440,8 @@ static int arr_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
         return OK;
     uint32_t count = f->aux;
     uint32_t item = count < n->n ? js->idx[n->a + count] : n->extra;
-    bool can_end = count >= n->min, more = item != NONE && (n->max == NONE || count < n->max);
+    bool can_end = count >= n->min;
+    bool more = item != NONE && (n->max == NONE || count < n->max) && fits(js, s, item);
     switch (f->phase) {
     case A_ITEM_OR_END:
         if (b == ']') {
@@ -1403,7 +1455,7 @@ static int arr_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
         if (!more)
             return DEAD;
         f->phase = A_VALUE;
-        return push_frame(s, item) ? RETRY : DEAD;
+        return push_frame(js, s, item) ? RETRY : DEAD;
     case A_AFTER:
         if (b == ',' && more) {
             f->phase = A_ITEM;
@@ -1426,7 +1478,7 @@ static int step(const rudder_js *js, st *s, uint8_t b) {
             if (ws)
                 return OK;
             f->phase = D_VALUE;
-            return push_frame(s, js->root) ? RETRY : DEAD;
+            return push_frame(js, s, js->root) ? RETRY : DEAD;
         }
         return ws && f->phase == D_DONE ? OK : DEAD;
     }
@@ -1438,7 +1490,7 @@ static int step(const rudder_js *js, st *s, uint8_t b) {
         case K_UNION:
             for (uint32_t k = 0; k < n->n; k++) {
                 uint32_t alt = js->idx[n->a + k];
-                if (bit(js->nodes[alt].first, b)) {
+                if (bit(js->nodes[alt].first, b) && s->sp - 1 + js->nodes[alt].need <= RUDDER_JS_MAX_DEPTH) {
                     f->node = (uint16_t)alt;
                     return RETRY;
                 }
