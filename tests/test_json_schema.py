@@ -462,3 +462,43 @@ def test_cli_gives_valid_json(tmp_path):
                               capture_output=True, text=True, timeout=600, cwd=REPO)
         assert proc.returncode == 0, proc.stderr
         jsonschema.validate(json.loads(proc.stdout), PERSON, format_checker=jsonschema.FormatChecker())
+
+
+# ---------------------------------------------------------------------------- no dead ends
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_random_walks_never_dead_end(name):
+    """Any token the mask allows leads somewhere: random walks (favouring brackets, to reach
+    the nesting limit) never meet an empty mask, and what completes validates. The byte-level
+    test tokenizer: one byte per token, every state is visited."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_controllers import run_request, text_of
+
+    from rudder.tokenizer import Tokenizer
+
+    tok = Tokenizer.byte_level(512)
+    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000), cache_dir=False)
+    module = runtime.load(builtin_controller("json"))
+    favour = [tok.encode(c)[0] for c in '{[",:']
+    for seed in range(8):
+        r = random.Random(seed)
+
+        def pick(allowed, seq):
+            present = set(allowed.tolist())
+            for t in favour:
+                if t in present and r.random() < (0.8 if seed % 2 else 0.1):
+                    return t
+            return allowed[r.randrange(len(allowed))]
+
+        [s] = run_request(runtime, module, json.dumps(SCHEMAS[name]), [tok.bos_token_id], pick, max_steps=3000, max_tokens=1500)
+        if s.finish != "length":
+            jsonschema.validate(json.loads(text_of(tok, s.generated)), SCHEMAS[name], format_checker=jsonschema.FormatChecker())
+    runtime.close()
+
+
+@pytest.mark.model
+def test_nesting_limit(rt, module, tok):
+    Drive(rt, module, tok, {}, "[" * 30 + "]" * 30).run().ctl.close()
+    with pytest.raises(AssertionError):
+        Drive(rt, module, tok, {}, "[" * 40 + "]" * 40).run()
