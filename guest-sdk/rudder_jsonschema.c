@@ -1715,9 +1715,11 @@ static bool final(const rudder_js *js, const st *s) {
 
 /* ------------------------------------------------------------------ (4) masks and steps */
 
-/* Token classes (request-independent). "Plain" tokens are whole UTF-8 characters with no quote,
- * backslash or control byte: inside a string with no pattern every one of them is allowed as
- * long as its characters fit (maxLength), and only the other ("special") tokens need checking.
+/* Token classes (request-independent). "Plain" tokens are UTF-8 (the last character may be cut
+ * short) with no quote, backslash or control byte: inside a string, at a character boundary,
+ * every one of them is allowed as long as its characters fit (maxLength) and, under a pattern,
+ * the pattern's own mask allows it; only the other ("special") tokens need checking one by
+ * one, and tokens that are not UTF-8 at all are never allowed there.
  * g_plain_upto[k]: the plain tokens of at most k characters (k <= SHORT); longer plain tokens
  * are few and listed apart. */
 #define SHORT 24u
@@ -1725,6 +1727,33 @@ static uint32_t *g_plain_upto[SHORT + 1], *g_special, g_n_special, *g_long, g_n_
 static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
 static uint32_t g_first[256], g_n_first;   /* the trie's first-level nodes, and their bytes */
 static uint8_t g_first_byte[256];
+
+/* Valid UTF-8 whose last character may be cut short (a token can end inside a character). */
+static bool utf8_prefix(const uint8_t *b, uint32_t len) {
+    uint32_t i = 0;
+    while (i < len) {
+        uint32_t more = b[i] < 0x80 ? 0 : b[i] >= 0xc2 && b[i] <= 0xdf ? 1 : b[i] >= 0xe0 && b[i] <= 0xef ? 2 : b[i] >= 0xf0 && b[i] <= 0xf4 ? 3 : 99;
+        if (more == 99)
+            return false;
+        uint32_t have = len - i - 1 < more ? len - i - 1 : more;
+        if (!rudder_utf8_valid(b + i, 1 + more) && have == more)
+            return false;
+        if (have < more) {   /* cut short: check the bytes there are against a completed copy */
+            uint8_t full[4] = {b[i], 0x80, 0x80, 0x80};
+            for (uint32_t k = 1; k <= have; k++)
+                full[k] = b[i + k];
+            bool ok = false;
+            for (uint32_t fill = 0x80; fill <= 0xbf && !ok; fill++) {   /* some completion is valid */
+                for (uint32_t k = have + 1; k <= more; k++)
+                    full[k] = (uint8_t)fill;
+                ok = rudder_utf8_valid(full, 1 + more);
+            }
+            return ok;
+        }
+        i += 1 + more;
+    }
+    return true;
+}
 
 void rudder_js_init_tables(void) {
     if (g_special)
@@ -1742,9 +1771,11 @@ void rudder_js_init_tables(void) {
             continue;
         if (len > g_max_token)
             g_max_token = len;
-        bool plain = rudder_utf8_valid(b, len);
-        for (uint32_t i = 0; i < len && plain; i++) {
-            plain = b[i] >= 0x20 && b[i] != '"' && b[i] != '\\';
+        if (!utf8_prefix(b, len))
+            continue;   /* never inside a string at a character boundary */
+        bool plain = true;
+        for (uint32_t i = 0; i < len; i++) {
+            plain &= b[i] >= 0x20 && b[i] != '"' && b[i] != '\\';
             chars += (b[i] & 0xc0) != 0x80;
         }
         if (!plain) {
