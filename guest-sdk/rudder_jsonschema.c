@@ -74,6 +74,7 @@ struct rudder_js {
     entry *cache;
     uint32_t next_slot, hits, misses;
     rudder_js_state *walk;   /* one state per trie depth */
+    uint32_t *walk_sets;     /* and its candidate bytes (8 words each) */
 };
 
 static inline bool bit(const uint32_t *set, uint8_t b) { return (set[b >> 5] >> (b & 31)) & 1; }
@@ -932,6 +933,7 @@ rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t
         js->cache[i].cap_toks = 64;
     }
     js->walk = rudder_xalloc((rudder_js_max_token() + 2) * sizeof(rudder_js_state));
+    js->walk_sets = rudder_xalloc((rudder_js_max_token() + 2) * 32);
     if (!js->cache)
         rudder_panic("jsonschema: out of memory");
     return js;
@@ -1724,6 +1726,7 @@ static bool final(const rudder_js *js, const st *s) {
  * are few and listed apart. */
 #define SHORT 24u
 static uint32_t *g_plain_upto[SHORT + 1], *g_special, g_n_special, *g_long, g_n_long, g_max_token;
+static uint32_t *g_special_lcp;   /* bytes shared with the previous special token (sorted) */
 static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
 static uint32_t g_first[256], g_n_first;   /* the trie's first-level nodes, and their bytes */
 static uint8_t g_first_byte[256];
@@ -1753,6 +1756,15 @@ static bool utf8_prefix(const uint8_t *b, uint32_t len) {
         i += 1 + more;
     }
     return true;
+}
+
+static int token_cmp(uint32_t x, uint32_t y) {
+    uint32_t lx, ly;
+    const uint8_t *a = rudder_token_bytes(x, &lx), *b = rudder_token_bytes(y, &ly);
+    for (uint32_t k = 0; k < lx && k < ly; k++)
+        if (a[k] != b[k])
+            return a[k] < b[k] ? -1 : 1;
+    return lx < ly ? -1 : lx > ly;
 }
 
 void rudder_js_init_tables(void) {
@@ -1787,6 +1799,23 @@ void rudder_js_init_tables(void) {
             rudder_mask_set(g_plain_upto[chars], t);
         else
             g_long[g_n_long++] = t;
+    }
+    /* special tokens in byte order (insertion sort: a few hundred), and their shared prefixes */
+    g_special_lcp = rudder_xalloc(4 * (g_n_special + 1));
+    for (uint32_t i = 1; i < g_n_special; i++) {
+        uint32_t t = g_special[i], j = i;
+        while (j > 0 && token_cmp(g_special[j - 1], t) > 0) {
+            g_special[j] = g_special[j - 1];
+            j--;
+        }
+        g_special[j] = t;
+    }
+    for (uint32_t i = 0; i < g_n_special; i++) {
+        uint32_t la, lb, k = 0;
+        const uint8_t *a = i ? rudder_token_bytes(g_special[i - 1], &la) : NULL, *b = rudder_token_bytes(g_special[i], &lb);
+        while (a && k < la && k < lb && a[k] == b[k])
+            k++;
+        g_special_lcp[i] = k;
     }
     const rudder_trie *tr = rudder_trie_get();
     for (uint32_t i = 1; i < tr->n_nodes && g_n_first < 256; i += tr->nodes[2 * i + 1]) {
@@ -1835,12 +1864,25 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
             for (uint32_t w = 0; w < words; w++)
                 mask[w] &= allowed[w];
         }
-        st t;
+        /* the special tokens in byte order: a shared prefix is pushed once, and a dead one
+         * kills every token that starts with it */
+        st *J = js->walk;
+        copy_state(&J[0], s0);
+        uint32_t dead = NONE;   /* the byte index that failed in the previous token */
         for (uint32_t i = 0; i < g_n_special; i++) {
-            uint32_t tok = g_special[i], len;
+            uint32_t tok = g_special[i], len, k = g_special_lcp[i];
+            if (dead != NONE && k > dead)
+                continue;
             const uint8_t *b = rudder_token_bytes(tok, &len);
-            copy_state(&t, s0);
-            if (rudder_js_push(js, &t, b, len))
+            dead = NONE;
+            for (; k < len; k++) {
+                copy_state(&J[k + 1], &J[k]);
+                if (!push_byte(js, &J[k + 1], b[k])) {
+                    dead = k;
+                    break;
+                }
+            }
+            if (dead == NONE)
                 rudder_mask_set(mask, tok);
         }
         return rudder_mask_count(mask);
@@ -1853,10 +1895,11 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
     uint32_t *ends = tr->ends;
     st *J = js->walk;
     copy_state(&J[0], s0);
-    uint32_t set[8];
-    bool narrow = candidates(js, s0, set);
+    uint32_t *sets = js->walk_sets;   /* per depth: candidate next bytes (all ones: any) */
+    if (!candidates(js, s0, sets))
+        memset(sets, 0xff, 32);
     for (uint32_t r = 0; r < g_n_first; r++) {
-        if (narrow && !bit(set, g_first_byte[r]))
+        if (!bit(sets, g_first_byte[r]))
             continue;
         uint32_t at = g_first[r], w0 = nodes[2 * at], end = at + nodes[2 * at + 1];
         copy_state(&J[1], &J[0]);
@@ -1868,10 +1911,16 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
         }
         uint32_t depth = 1, i = at + 1;
         ends[1] = end;
+        if (end > i && !candidates(js, &J[1], sets + 8))
+            memset(sets + 8, 0xff, 32);
         while (i < end) {
             while (i >= ends[depth])
                 depth--;
             uint32_t w = nodes[2 * i], size = nodes[2 * i + 1];
+            if (!bit(sets + 8 * depth, (uint8_t)w)) {   /* the state cannot take this byte */
+                i += size;
+                continue;
+            }
             st *child = &J[depth + 1];
             copy_state(child, &J[depth]);
             if (!push_byte(js, child, (uint8_t)w)) {
@@ -1883,8 +1932,11 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
                 mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
                 count++;
             }
-            if (size > 1)
+            if (size > 1) {
                 ends[++depth] = i + size;
+                if (!candidates(js, child, sets + 8 * depth))
+                    memset(sets + 8 * depth, 0xff, 32);
+            }
             i++;
         }
     }
