@@ -1728,6 +1728,7 @@ static bool final(const rudder_js *js, const st *s) {
 static uint32_t *g_plain_upto[SHORT + 1], *g_special, g_n_special, *g_long, g_n_long, g_max_token;
 static uint32_t *g_special_lcp;   /* bytes shared with the previous special token (sorted) */
 static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
+static uint8_t *g_tail;    /* bytes its last character lacks (a token cut inside a character) */
 static uint32_t g_first[256], g_n_first;   /* the trie's first-level nodes, and their bytes */
 static uint8_t g_first_byte[256];
 
@@ -1776,6 +1777,7 @@ void rudder_js_init_tables(void) {
     g_special = rudder_xalloc(4 * (vocab + 1));
     g_long = rudder_xalloc(4 * (vocab + 1));
     g_chars = rudder_zalloc(vocab + 1);
+    g_tail = rudder_zalloc(vocab + 1);
     for (uint32_t t = 0; t < vocab; t++) {
         uint32_t len, chars = 0;
         const uint8_t *b = rudder_token_bytes(t, &len);
@@ -1795,6 +1797,13 @@ void rudder_js_init_tables(void) {
             continue;
         }
         g_chars[t] = (uint8_t)(chars < 255 ? chars : 255);
+        uint32_t last = len;   /* continuation bytes the last character still lacks */
+        while (last > 0 && (b[last - 1] & 0xc0) == 0x80)
+            last--;
+        if (last > 0 && b[last - 1] >= 0xc0) {
+            uint32_t want = b[last - 1] >= 0xf0 ? 3 : b[last - 1] >= 0xe0 ? 2 : 1;
+            g_tail[t] = (uint8_t)(want - (len - last));
+        }
         if (chars <= SHORT)
             rudder_mask_set(g_plain_upto[chars], t);
         else
@@ -1839,8 +1848,6 @@ static uint32_t free_string_room(const rudder_js *js, const st *s, const jnode *
         return 0;
     const jnode *n = &js->nodes[f->node];
     if (n->kind == K_STRING && f->phase == S_IN) {
-        if (n->rx && n->max != NONE)
-            return 0;   /* each character must keep a match within reach: the walk checks */
         *rx = n->rx ? n : NULL;
         return n->max == NONE ? NONE : n->max - s->len;
     }
@@ -1863,6 +1870,18 @@ static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
             const uint32_t *allowed = rudder_rx_mask(rx->rx, s0->rx);
             for (uint32_t w = 0; w < words; w++)
                 mask[w] &= allowed[w];
+            if (rx->max != NONE)   /* and with maxLength, a match must stay within reach after each */
+                for (uint32_t w = 0; w < words; w++)
+                    for (uint32_t bits = mask[w]; bits; bits &= bits - 1) {
+                        uint32_t t = w * 32 + (uint32_t)__builtin_ctz(bits), len;
+                        const uint8_t *b = rudder_token_bytes(t, &len);
+                        uint32_t r = s0->rx;
+                        for (uint32_t k = 0; k < len && r != RUDDER_DEAD; k++)
+                            r = rudder_rx_push(rx->rx, r, b[k]);
+                        uint32_t left = room - g_chars[t] + g_tail[t];
+                        if (r == RUDDER_DEAD || rx_min_bytes(rx->rx, r, left) > left)
+                            mask[w] &= ~(1u << (t & 31));
+                    }
         }
         /* the special tokens in byte order: a shared prefix is pushed once, and a dead one
          * kills every token that starts with it */
