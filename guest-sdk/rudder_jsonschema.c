@@ -1709,11 +1709,6 @@ static int forced_byte(const rudder_js *js, const st *s) {
     return only;
 }
 
-/* Complete, and nothing may follow: the sequence is over. */
-static bool final(const rudder_js *js, const st *s) {
-    int only;
-    return accepting(js, s) && next_bytes(js, s, &only) == 0;
-}
 
 /* ------------------------------------------------------------------ (4) masks and steps */
 
