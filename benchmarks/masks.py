@@ -63,6 +63,11 @@ PERSON_SCHEMA = json.dumps({
     "required": ["name", "age", "email", "tags", "address"],
 })
 
+# The documents are json.dumps'd with spaces, as the peers' default grammars allow: our json
+# controller generates compact JSON unless the schema asks for flexible whitespace.
+PERSON_SCHEMA_OURS = json.dumps({**json.loads(PERSON_SCHEMA), "x-rudder-whitespace": "flexible"})
+FREE_JSON_OURS = json.dumps({"x-rudder-whitespace": "flexible"})
+
 ARITH_LARK = r"""
 start: expr
 expr: term (("+" | "-") term)*
@@ -103,11 +108,11 @@ CASES = [
     Case("json-schema",
          json.dumps({"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["math", "engines"],
                      "address": {"street": "12 St James's Square", "city": "London"}}),
-         ours=("json", PERSON_SCHEMA), llguidance=("json", PERSON_SCHEMA), xgrammar=("json", PERSON_SCHEMA),
+         ours=("json", PERSON_SCHEMA_OURS), llguidance=("json", PERSON_SCHEMA), xgrammar=("json", PERSON_SCHEMA),
          outlines=("json", PERSON_SCHEMA)),
     Case("json-free",
          json.dumps({"id": 7, "items": [1, 2.5, "x", None], "ok": True, "meta": {"a": {"b": [False, -3e2]}}}),
-         ours=("json", "{}"), llguidance=("json", "{}"), xgrammar=("builtin_json", ""),
+         ours=("json", FREE_JSON_OURS), llguidance=("json", "{}"), xgrammar=("builtin_json", ""),
          outlines=None, notes={"outlines": "n/a (a regex index of free JSON takes ~10 s to build)"}),
     Case("grammar", "(12 + 3.5) * 4 - 7 / (2 + 1) * 10 - -3 + (((8)))",
          # our grammar controller's syntax is the grammar helper's to define: Lark text here

@@ -219,7 +219,6 @@ static bool number(dom *d, rudder_jv *v) {
         return fail(ps, "expected a value", d->start);
     uint64_t mant = 0;
     int32_t exp10 = 0, digits = 0;
-    bool frac_nonzero = false;
     if (*p == '0') {
         p++;
     } else {
@@ -234,7 +233,6 @@ static bool number(dom *d, rudder_jv *v) {
         if (p >= e || *p < '0' || *p > '9')
             return ps->p = p, fail(ps, "expected a digit after '.'", d->start);
         for (; p < e && *p >= '0' && *p <= '9'; p++) {
-            frac_nonzero |= *p != '0';
             if (digits < 19)
                 mant = mant * 10 + (uint64_t)(*p - '0'), digits += mant > 0, exp10--;
         }
@@ -263,7 +261,6 @@ static bool number(dom *d, rudder_jv *v) {
     v->type = RUDDER_JV_NUMBER;
     v->num = neg ? -val : val;
     v->integral = val < 9007199254740992.0 && (val == (double)(uint64_t)val);
-    (void)frac_nonzero;
     v->str = begin;
     v->n = (uint32_t)(p - begin);
     ps->p = p;

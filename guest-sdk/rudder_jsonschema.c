@@ -41,6 +41,7 @@ typedef struct {
     rudder_rx *rx;       /* string: pattern/format over the decoded characters */
     char *path;          /* union: where it came from (for the overlap error) */
     uint32_t first[8];   /* bytes a value can start with */
+    uint32_t need;       /* frames a value needs at least (nesting): opened only where they fit */
 } jnode;
 
 typedef struct {
@@ -73,6 +74,7 @@ struct rudder_js {
     entry *cache;
     uint32_t next_slot, hits, misses;
     rudder_js_state *walk;   /* one state per trie depth */
+    uint32_t *walk_sets;     /* and its candidate bytes (8 words each) */
 };
 
 static inline bool bit(const uint32_t *set, uint8_t b) { return (set[b >> 5] >> (b & 31)) & 1; }
@@ -219,6 +221,7 @@ static bool is_annotation(const rudder_str *k) {
 
 static uint32_t compile(comp *c, const rudder_jv *s);
 static uint32_t rudder_js_max_token(void);
+static uint32_t rx_min_bytes(rudder_rx *rx, uint32_t state, uint32_t limit);
 
 static uint32_t memo_get(comp *c, const rudder_jv *s) {
     for (uint32_t i = 0; i < c->n_memo; i++)
@@ -545,6 +548,10 @@ static uint32_t compile_string(comp *c, uint32_t id, const rudder_jv *s) {
         if (!rx)
             return cfail(c, msg, "format", 6);
     }
+    if (rx && min > 0)
+        return cfail(c, "minLength with pattern/format is not supported", NULL, 0);
+    if (rx && max != NONE && rx_min_bytes(rx, rudder_rx_start(rx, NULL), max) > max)
+        return cfail(c, "no string within maxLength matches the pattern/format", NULL, 0);
     jnode *node = &c->js->nodes[id];
     node->kind = K_STRING;
     node->min = min;
@@ -821,6 +828,40 @@ static bool finish_nodes(rudder_js *js, char *err, uint32_t cap) {
                 }
         }
     }
+    /* need: the least nesting a complete value takes (to a fixpoint: recursion) */
+    for (uint32_t i = 0; i < js->n_nodes; i++)
+        js->nodes[i].need = js->nodes[i].kind == K_STRING || js->nodes[i].kind == K_NUMBER || js->nodes[i].kind == K_LITS ? 1 : 1000;
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (uint32_t i = 0; i < js->n_nodes; i++) {
+            jnode *n = &js->nodes[i];
+            uint32_t need = n->need;
+            if (n->kind == K_UNION) {
+                for (uint32_t k = 0; k < n->n; k++)
+                    if (js->nodes[js->idx[n->a + k]].need < need)
+                        need = js->nodes[js->idx[n->a + k]].need;
+            } else if (n->kind == K_OBJECT || n->kind == K_ARRAY) {
+                uint32_t inner = 0;
+                for (uint32_t k = 0; k < n->n; k++) {
+                    uint32_t v = n->kind == K_OBJECT ? (((n->req >> k) & 1) ? js->props[n->a + k].value : NONE)
+                                                     : (k < n->min ? js->idx[n->a + k] : NONE);
+                    if (v != NONE && js->nodes[v].need > inner)
+                        inner = js->nodes[v].need;
+                }
+                if (n->kind == K_ARRAY && n->min > n->n && n->extra != NONE && js->nodes[n->extra].need > inner)
+                    inner = js->nodes[n->extra].need;
+                if (1 + inner < need)
+                    need = 1 + inner;
+            }
+            if (need < n->need)
+                n->need = need, changed = true;
+        }
+    }
+    if (js->nodes[js->root].need + 1 > RUDDER_JS_MAX_DEPTH) {
+        uint32_t m = 0;
+        err_append(err, cap, &m, "the schema nests deeper than 31 levels", 38);
+        return false;
+    }
     for (uint32_t i = 0; i < js->n_nodes; i++) {
         jnode *n = &js->nodes[i];
         if (n->kind != K_UNION)
@@ -883,7 +924,16 @@ rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t
     int32_t budget = rudder_config(RUDDER_CONFIG_MAX_FF);
     js->ff_budget = budget > 0 ? (uint32_t)budget : 0;
     js->cache = rudder_zalloc(CACHE_SLOTS * sizeof(entry));
+    /* every slot's mask up front: growing memory in the middle of a step costs milliseconds */
+    uint32_t words = rudder_mask_words();
+    uint32_t *masks = rudder_xalloc((size_t)CACHE_SLOTS * words * 4);
+    for (uint32_t i = 0; i < CACHE_SLOTS; i++) {
+        js->cache[i].mask = masks + (size_t)i * words;
+        js->cache[i].toks = rudder_xalloc(64 * 4);
+        js->cache[i].cap_toks = 64;
+    }
     js->walk = rudder_xalloc((rudder_js_max_token() + 2) * sizeof(rudder_js_state));
+    js->walk_sets = rudder_xalloc((rudder_js_max_token() + 2) * 32);
     if (!js->cache)
         rudder_panic("jsonschema: out of memory");
     return js;
@@ -918,8 +968,13 @@ static inline void lex_reset(st *s) {
     s->num = 0;
 }
 
-static inline bool push_frame(st *s, uint32_t node) {
-    if (s->sp >= RUDDER_JS_MAX_DEPTH)
+/* Does a value of `node` fit as a child of the top frame? */
+static inline bool fits(const rudder_js *js, const st *s, uint32_t node) {
+    return s->sp + js->nodes[node].need <= RUDDER_JS_MAX_DEPTH;
+}
+
+static inline bool push_frame(const rudder_js *js, st *s, uint32_t node) {
+    if (!fits(js, s, node))
         return false;
     s->f[s->sp++] = (rudder_js_frame){(uint16_t)node, V_START, 0, 0, 0};
     return true;
@@ -1095,6 +1150,59 @@ static inline bool rx_push(const jnode *n, st *s, uint8_t b) {
     return s->rx != RUDDER_DEAD;
 }
 
+/* The fewest bytes that take the pattern from `state` to a match, if at most `limit` (else
+ * limit + 1): a breadth-first search over the DFA, one representative byte per byte class,
+ * cached per state. With maxLength, a character is allowed only if a match stays in reach. */
+#define DIST_SLOTS 512u
+#define BFS_MAX 2048u
+static struct {
+    const rudder_rx *rx;
+    uint32_t state, limit, dist;
+} g_dist[DIST_SLOTS];
+
+static uint32_t rx_min_bytes(rudder_rx *rx, uint32_t state, uint32_t limit) {
+    uint32_t h = (state * 2654435761u ^ (uint32_t)(uintptr_t)rx) % DIST_SLOTS;
+    if (g_dist[h].rx == rx && g_dist[h].state == state && (g_dist[h].dist <= g_dist[h].limit || g_dist[h].limit >= limit))
+        return g_dist[h].dist <= limit ? g_dist[h].dist : limit + 1;
+    const rudder_rx_dfa *d = (const rudder_rx_dfa *)rx;
+    uint8_t reps[256];
+    uint32_t n_reps = 0, seen_class[8] = {0};
+    for (uint32_t b = 0; b < 256; b++)
+        if (!bit(seen_class, d->classes[b]))
+            set_bit(seen_class, d->classes[b]), reps[n_reps++] = (uint8_t)b;
+    static uint32_t queue[BFS_MAX];
+    uint32_t head = 0, tail = 0, level_end, dist = 0, found = limit + 1;
+    queue[tail++] = state;
+    if (rudder_rx_accepting(rx, state))
+        found = 0;
+    while (found > limit && head < tail && dist < limit) {
+        level_end = tail;
+        dist++;
+        for (; head < level_end && found > limit; head++)
+            for (uint32_t r = 0; r < n_reps; r++) {
+                uint32_t nx = rudder_rx_push(rx, queue[head], reps[r]);
+                if (nx == RUDDER_DEAD)
+                    continue;
+                if (rudder_rx_accepting(rx, nx)) {
+                    found = dist;
+                    break;
+                }
+                bool seen = false;
+                for (uint32_t k = 0; k < tail && !seen; k++)
+                    seen = queue[k] == nx;
+                if (!seen) {
+                    if (tail == BFS_MAX) {   /* too many states to search: assume reachable */
+                        found = dist;
+                        break;
+                    }
+                    queue[tail++] = nx;
+                }
+            }
+    }
+    g_dist[h].rx = rx, g_dist[h].state = state, g_dist[h].limit = limit, g_dist[h].dist = found;
+    return found;
+}
+
 static int count_char(const jnode *n, st *s, uint8_t b) {
     if (n) {
         if (n->max != NONE && s->len >= n->max)
@@ -1103,6 +1211,11 @@ static int count_char(const jnode *n, st *s, uint8_t b) {
             s->len++;
         if (!rx_push(n, s, b))
             return DEAD;
+        if (n->rx && n->max != NONE) {   /* the rest of this character is free: u8need bytes */
+            uint32_t room = n->max - s->len + s->u8need;
+            if (rx_min_bytes(n->rx, s->rx, room) > room)
+                return DEAD;
+        }
     }
     return OK;
 }
@@ -1116,9 +1229,12 @@ static const char ESC_FROM[] = "\"\\/bfnrt", ESC_TO[] = "\"\\/\b\f\n\r\t";
 static bool escape_possible(const jnode *n, const st *s) {
     if (!n->rx)
         return true;
-    for (uint32_t i = 0; ESC_TO[i]; i++)
-        if (rudder_rx_push(n->rx, s->rx, (uint8_t)ESC_TO[i]) != RUDDER_DEAD)
+    st t;
+    for (uint32_t i = 0; ESC_TO[i]; i++) {
+        copy_state(&t, s);
+        if (count_char(n, &t, (uint8_t)ESC_TO[i]) == OK)
             return true;
+    }
     return false;
 }
 
@@ -1219,6 +1335,17 @@ static inline uint64_t key_range(const jnode *n, uint32_t next) {
     return upto & (~0ull << next);
 }
 
+/* key_range, less the properties whose value would not fit here (nesting) */
+static uint64_t key_range_fit(const rudder_js *js, const st *s, const jnode *n, uint32_t next) {
+    uint64_t range = key_range(n, next), fit = range;
+    for (uint64_t r = range; r; r &= r - 1) {
+        uint32_t k = (uint32_t)__builtin_ctzll(r);
+        if (!fits(js, s, js->props[n->a + k].value))
+            fit &= ~(1ull << k);
+    }
+    return fit;
+}
+
 static void key_done(st *s, rudder_js_frame *f, const jnode *n, uint32_t cur) {
     f->phase = O_COLON;
     f->aux = 0;
@@ -1228,7 +1355,7 @@ static void key_done(st *s, rudder_js_frame *f, const jnode *n, uint32_t cur) {
 }
 
 static int key_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode *n, uint8_t b) {
-    uint64_t range = key_range(n, f->aux2 & 0xff);
+    uint64_t range = key_range_fit(js, s, n, f->aux2 & 0xff);
     bool extras = f->flags & 1;
     uint32_t c = f->aux != NONE ? tchild(js, f->aux, b) : NONE;
     if (extras && b == '"' && s->lphase == SL_CHAR) {   /* the key ends */
@@ -1269,8 +1396,8 @@ static int obj_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
         return OK;
     uint32_t next = f->aux2 & 0xff;
     bool can_end = next_required(n, next) == NONE;
-    bool extras = n->extra != NONE && can_end;
-    bool more = next < n->n || extras;
+    bool extras = n->extra != NONE && can_end && fits(js, s, n->extra);
+    bool more = key_range_fit(js, s, n, next) != 0 || extras;
     switch (f->phase) {
     case O_KEY_OR_END:
         if (b == '}') {
@@ -1294,7 +1421,7 @@ static int obj_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
             return DEAD;
         uint32_t cur = f->aux2 >> 8;
         f->phase = O_VALUE;
-        return push_frame(s, cur == 0xff ? n->extra : js->props[n->a + cur].value) ? OK : DEAD;
+        return push_frame(js, s, cur == 0xff ? n->extra : js->props[n->a + cur].value) ? OK : DEAD;
     }
     case O_AFTER:
         if (b == ',' && more) {
@@ -1315,7 +1442,8 @@ static int arr_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
         return OK;
     uint32_t count = f->aux;
     uint32_t item = count < n->n ? js->idx[n->a + count] : n->extra;
-    bool can_end = count >= n->min, more = item != NONE && (n->max == NONE || count < n->max);
+    bool can_end = count >= n->min;
+    bool more = item != NONE && (n->max == NONE || count < n->max) && fits(js, s, item);
     switch (f->phase) {
     case A_ITEM_OR_END:
         if (b == ']') {
@@ -1329,7 +1457,7 @@ static int arr_byte(const rudder_js *js, st *s, rudder_js_frame *f, const jnode 
         if (!more)
             return DEAD;
         f->phase = A_VALUE;
-        return push_frame(s, item) ? RETRY : DEAD;
+        return push_frame(js, s, item) ? RETRY : DEAD;
     case A_AFTER:
         if (b == ',' && more) {
             f->phase = A_ITEM;
@@ -1352,7 +1480,7 @@ static int step(const rudder_js *js, st *s, uint8_t b) {
             if (ws)
                 return OK;
             f->phase = D_VALUE;
-            return push_frame(s, js->root) ? RETRY : DEAD;
+            return push_frame(js, s, js->root) ? RETRY : DEAD;
         }
         return ws && f->phase == D_DONE ? OK : DEAD;
     }
@@ -1364,7 +1492,7 @@ static int step(const rudder_js *js, st *s, uint8_t b) {
         case K_UNION:
             for (uint32_t k = 0; k < n->n; k++) {
                 uint32_t alt = js->idx[n->a + k];
-                if (bit(js->nodes[alt].first, b)) {
+                if (bit(js->nodes[alt].first, b) && s->sp - 1 + js->nodes[alt].need <= RUDDER_JS_MAX_DEPTH) {
                     f->node = (uint16_t)alt;
                     return RETRY;
                 }
@@ -1478,58 +1606,80 @@ static bool accepting(const rudder_js *js, const st *s0) {
 bool rudder_js_accepting(rudder_js *js, const st *s) { return accepting(js, s); }
 
 /* A superset of the bytes that can come next, from the top frame alone; false when it could
- * be almost anything (inside strings and numbers, whitespace allowed): try all 256 then. */
+ * be almost anything (inside strings, numbers, extra keys, after a complete literal). */
 static bool candidates(const rudder_js *js, const st *s, uint32_t set[8]) {
     const rudder_js_frame *f = &s->f[s->sp - 1];
     memset(set, 0, 32);
-    if (js->flexible)
-        return false;
+    bool between = true;   /* between tokens of JSON: whitespace may come (flexible) */
     if (s->sp == 1) {
         if (f->phase == D_START)
             memcpy(set, js->nodes[js->root].first, 32);
-        return true;
-    }
-    const jnode *n = &js->nodes[f->node];
-    if (f->phase == V_START) {
-        memcpy(set, n->first, 32);
-        return true;
-    }
-    switch (n->kind) {
-    case K_OBJECT:
-        switch (f->phase) {
-        case O_KEY_OR_END: set_bit(set, '}'); /* fall through */
-        case O_KEY: set_bit(set, '"'); return true;
-        case O_COLON: set_bit(set, ':'); return true;
-        case O_AFTER: set_bit(set, ','), set_bit(set, '}'); return true;
-        case O_IN_KEY:
-            if ((f->flags & 1) || f->aux == NONE)
+    } else if (f->phase == V_START) {
+        memcpy(set, js->nodes[f->node].first, 32);
+    } else {
+        const jnode *n = &js->nodes[f->node];
+        switch (n->kind) {
+        case K_OBJECT:
+            switch (f->phase) {
+            case O_KEY_OR_END: set_bit(set, '}'); /* fall through */
+            case O_KEY: set_bit(set, '"'); break;
+            case O_COLON: set_bit(set, ':'); break;
+            case O_AFTER: set_bit(set, ','), set_bit(set, '}'); break;
+            default:   /* O_IN_KEY */
+                if ((f->flags & 1) || f->aux == NONE)
+                    return false;
+                for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+                    set_bit(set, js->trie[c].byte);
+                between = false;
+            }
+            break;
+        case K_ARRAY: {
+            uint32_t item = f->aux < n->n ? js->idx[n->a + f->aux] : n->extra;
+            if (f->phase == A_AFTER) {
+                set_bit(set, ','), set_bit(set, ']');
+                break;
+            }
+            if (f->phase == A_ITEM_OR_END)
+                set_bit(set, ']');
+            if (item != NONE)
+                for (uint32_t w = 0; w < 8; w++)
+                    set[w] |= js->nodes[item].first[w];
+            break;
+        }
+        case K_LITS:
+        case K_NUMBER: {   /* its own next bytes, and when it may end here, the parent's */
+            bool may_end;
+            if (n->kind == K_LITS) {
+                for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+                    set_bit(set, js->trie[c].byte);
+                may_end = js->trie[f->aux].term != NONE;
+            } else if (f->phase == N_IN) {
+                for (const char *c = "0123456789.eE+-"; *c; c++)
+                    set_bit(set, (uint8_t)*c);
+                may_end = number_complete(n, s);
+            } else {
                 return false;
-            for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
-                set_bit(set, js->trie[c].byte);
+            }
+            if (may_end) {
+                st up;
+                uint32_t more[8];
+                copy_state(&up, s);
+                child_done(js, &up);
+                if (!candidates(js, &up, more))
+                    return false;
+                for (uint32_t w = 0; w < 8; w++)
+                    set[w] |= more[w];
+            }
             return true;
         }
-        return false;
-    case K_ARRAY: {
-        uint32_t item = f->aux < n->n ? js->idx[n->a + f->aux] : n->extra;
-        if (f->phase == A_AFTER) {
-            set_bit(set, ','), set_bit(set, ']');
-            return true;
-        }
-        if (f->phase == A_ITEM_OR_END)
-            set_bit(set, ']');
-        if (item != NONE)
-            for (uint32_t w = 0; w < 8; w++)
-                set[w] |= js->nodes[item].first[w];
-        return true;
-    }
-    case K_LITS:
-        if (js->trie[f->aux].term != NONE)
+        default:
             return false;
-        for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
-            set_bit(set, js->trie[c].byte);
-        return true;
+        }
     }
-    return false;
+    if (js->flexible && between) {
+        set_bit(set, ' '), set_bit(set, '\n'), set_bit(set, '\t'), set_bit(set, '\r');
+    }
+    return true;
 }
 
 /* How many bytes can follow `s` (0, 1 or 2 = "several"); the byte when it is one. */
@@ -1559,22 +1709,59 @@ static int forced_byte(const rudder_js *js, const st *s) {
     return only;
 }
 
-/* Complete, and nothing may follow: the sequence is over. */
-static bool final(const rudder_js *js, const st *s) {
-    int only;
-    return accepting(js, s) && next_bytes(js, s, &only) == 0;
-}
 
 /* ------------------------------------------------------------------ (4) masks and steps */
 
-/* Token classes (request-independent). "Plain" tokens are whole UTF-8 characters with no quote,
- * backslash or control byte: inside a string with no pattern every one of them is allowed as
- * long as its characters fit (maxLength), and only the other ("special") tokens need checking.
+/* Token classes (request-independent). "Plain" tokens are UTF-8 (the last character may be cut
+ * short) with no quote, backslash or control byte: inside a string, at a character boundary,
+ * every one of them is allowed as long as its characters fit (maxLength) and, under a pattern,
+ * the pattern's own mask allows it; only the other ("special") tokens need checking one by
+ * one, and tokens that are not UTF-8 at all are never allowed there.
  * g_plain_upto[k]: the plain tokens of at most k characters (k <= SHORT); longer plain tokens
  * are few and listed apart. */
 #define SHORT 24u
 static uint32_t *g_plain_upto[SHORT + 1], *g_special, g_n_special, *g_long, g_n_long, g_max_token;
+static uint32_t *g_special_lcp;   /* bytes shared with the previous special token (sorted) */
 static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
+static uint8_t *g_tail;    /* bytes its last character lacks (a token cut inside a character) */
+static uint32_t g_first[256], g_n_first;   /* the trie's first-level nodes, and their bytes */
+static uint8_t g_first_byte[256];
+
+/* Valid UTF-8 whose last character may be cut short (a token can end inside a character). */
+static bool utf8_prefix(const uint8_t *b, uint32_t len) {
+    uint32_t i = 0;
+    while (i < len) {
+        uint32_t more = b[i] < 0x80 ? 0 : b[i] >= 0xc2 && b[i] <= 0xdf ? 1 : b[i] >= 0xe0 && b[i] <= 0xef ? 2 : b[i] >= 0xf0 && b[i] <= 0xf4 ? 3 : 99;
+        if (more == 99)
+            return false;
+        uint32_t have = len - i - 1 < more ? len - i - 1 : more;
+        if (!rudder_utf8_valid(b + i, 1 + more) && have == more)
+            return false;
+        if (have < more) {   /* cut short: check the bytes there are against a completed copy */
+            uint8_t full[4] = {b[i], 0x80, 0x80, 0x80};
+            for (uint32_t k = 1; k <= have; k++)
+                full[k] = b[i + k];
+            bool ok = false;
+            for (uint32_t fill = 0x80; fill <= 0xbf && !ok; fill++) {   /* some completion is valid */
+                for (uint32_t k = have + 1; k <= more; k++)
+                    full[k] = (uint8_t)fill;
+                ok = rudder_utf8_valid(full, 1 + more);
+            }
+            return ok;
+        }
+        i += 1 + more;
+    }
+    return true;
+}
+
+static int token_cmp(uint32_t x, uint32_t y) {
+    uint32_t lx, ly;
+    const uint8_t *a = rudder_token_bytes(x, &lx), *b = rudder_token_bytes(y, &ly);
+    for (uint32_t k = 0; k < lx && k < ly; k++)
+        if (a[k] != b[k])
+            return a[k] < b[k] ? -1 : 1;
+    return lx < ly ? -1 : lx > ly;
+}
 
 void rudder_js_init_tables(void) {
     if (g_special)
@@ -1585,6 +1772,7 @@ void rudder_js_init_tables(void) {
     g_special = rudder_xalloc(4 * (vocab + 1));
     g_long = rudder_xalloc(4 * (vocab + 1));
     g_chars = rudder_zalloc(vocab + 1);
+    g_tail = rudder_zalloc(vocab + 1);
     for (uint32_t t = 0; t < vocab; t++) {
         uint32_t len, chars = 0;
         const uint8_t *b = rudder_token_bytes(t, &len);
@@ -1592,9 +1780,11 @@ void rudder_js_init_tables(void) {
             continue;
         if (len > g_max_token)
             g_max_token = len;
-        bool plain = rudder_utf8_valid(b, len);
-        for (uint32_t i = 0; i < len && plain; i++) {
-            plain = b[i] >= 0x20 && b[i] != '"' && b[i] != '\\';
+        if (!utf8_prefix(b, len))
+            continue;   /* never inside a string at a character boundary */
+        bool plain = true;
+        for (uint32_t i = 0; i < len; i++) {
+            plain &= b[i] >= 0x20 && b[i] != '"' && b[i] != '\\';
             chars += (b[i] & 0xc0) != 0x80;
         }
         if (!plain) {
@@ -1602,10 +1792,39 @@ void rudder_js_init_tables(void) {
             continue;
         }
         g_chars[t] = (uint8_t)(chars < 255 ? chars : 255);
+        uint32_t last = len;   /* continuation bytes the last character still lacks */
+        while (last > 0 && (b[last - 1] & 0xc0) == 0x80)
+            last--;
+        if (last > 0 && b[last - 1] >= 0xc0) {
+            uint32_t want = b[last - 1] >= 0xf0 ? 3 : b[last - 1] >= 0xe0 ? 2 : 1;
+            g_tail[t] = (uint8_t)(want - (len - last));
+        }
         if (chars <= SHORT)
             rudder_mask_set(g_plain_upto[chars], t);
         else
             g_long[g_n_long++] = t;
+    }
+    /* special tokens in byte order (insertion sort: a few hundred), and their shared prefixes */
+    g_special_lcp = rudder_xalloc(4 * (g_n_special + 1));
+    for (uint32_t i = 1; i < g_n_special; i++) {
+        uint32_t t = g_special[i], j = i;
+        while (j > 0 && token_cmp(g_special[j - 1], t) > 0) {
+            g_special[j] = g_special[j - 1];
+            j--;
+        }
+        g_special[j] = t;
+    }
+    for (uint32_t i = 0; i < g_n_special; i++) {
+        uint32_t la, lb, k = 0;
+        const uint8_t *a = i ? rudder_token_bytes(g_special[i - 1], &la) : NULL, *b = rudder_token_bytes(g_special[i], &lb);
+        while (a && k < la && k < lb && a[k] == b[k])
+            k++;
+        g_special_lcp[i] = k;
+    }
+    const rudder_trie *tr = rudder_trie_get();
+    for (uint32_t i = 1; i < tr->n_nodes && g_n_first < 256; i += tr->nodes[2 * i + 1]) {
+        g_first_byte[g_n_first] = (uint8_t)tr->nodes[2 * i];
+        g_first[g_n_first++] = i;
     }
     for (uint32_t k = 1; k <= SHORT; k++)   /* cumulative */
         for (uint32_t w = 0; w < words; w++)
@@ -1614,15 +1833,19 @@ void rudder_js_init_tables(void) {
 
 static uint32_t rudder_js_max_token(void) { return g_max_token; }
 
-/* Inside a string with no pattern (a value, or a free object key), at a character boundary:
- * returns the room left in characters (NONE: unbounded), or 0 when the fast path does not apply. */
-static uint32_t free_string_room(const rudder_js *js, const st *s) {
+/* Inside a string (a value, or a free object key), at a character boundary: returns the room
+ * left in characters (NONE: unbounded), or 0 when the fast path does not apply; *rx is the
+ * string's pattern (NULL: none). */
+static uint32_t free_string_room(const rudder_js *js, const st *s, const jnode **rx) {
     const rudder_js_frame *f = &s->f[s->sp - 1];
+    *rx = NULL;
     if (s->sp < 2 || s->lphase != SL_CHAR)
         return 0;
     const jnode *n = &js->nodes[f->node];
-    if (n->kind == K_STRING && f->phase == S_IN && !n->rx)
+    if (n->kind == K_STRING && f->phase == S_IN) {
+        *rx = n->rx ? n : NULL;
         return n->max == NONE ? NONE : n->max - s->len;
+    }
     /* an extra key takes any plain characters (whether it still follows a declared key only
      * matters at its closing quote, a special token) */
     return n->kind == K_OBJECT && f->phase == O_IN_KEY && (f->flags & 1) ? NONE : 0;
@@ -1630,47 +1853,106 @@ static uint32_t free_string_room(const rudder_js *js, const st *s) {
 
 static uint32_t fill_mask(rudder_js *js, const st *s0, uint32_t *mask) {
     uint32_t count = 0;
-    uint32_t room = free_string_room(js, s0);
+    const jnode *rx;
+    uint32_t room = free_string_room(js, s0, &rx);
     if (room) {
-        memcpy(mask, g_plain_upto[room < SHORT ? room : SHORT], 4 * rudder_mask_words());
+        uint32_t words = rudder_mask_words();
+        memcpy(mask, g_plain_upto[room < SHORT ? room : SHORT], 4 * words);
         for (uint32_t i = 0; room > SHORT && i < g_n_long; i++)
             if (g_chars[g_long[i]] <= room)
                 rudder_mask_set(mask, g_long[i]);
-        st t;
+        if (rx) {   /* plain tokens are their own characters: the pattern's cached mask filters them */
+            const uint32_t *allowed = rudder_rx_mask(rx->rx, s0->rx);
+            for (uint32_t w = 0; w < words; w++)
+                mask[w] &= allowed[w];
+            if (rx->max != NONE)   /* and with maxLength, a match must stay within reach after each */
+                for (uint32_t w = 0; w < words; w++)
+                    for (uint32_t bits = mask[w]; bits; bits &= bits - 1) {
+                        uint32_t t = w * 32 + (uint32_t)__builtin_ctz(bits), len;
+                        const uint8_t *b = rudder_token_bytes(t, &len);
+                        uint32_t r = s0->rx;
+                        for (uint32_t k = 0; k < len && r != RUDDER_DEAD; k++)
+                            r = rudder_rx_push(rx->rx, r, b[k]);
+                        uint32_t left = room - g_chars[t] + g_tail[t];
+                        if (r == RUDDER_DEAD || rx_min_bytes(rx->rx, r, left) > left)
+                            mask[w] &= ~(1u << (t & 31));
+                    }
+        }
+        /* the special tokens in byte order: a shared prefix is pushed once, and a dead one
+         * kills every token that starts with it */
+        st *J = js->walk;
+        copy_state(&J[0], s0);
+        uint32_t dead = NONE;   /* the byte index that failed in the previous token */
         for (uint32_t i = 0; i < g_n_special; i++) {
-            uint32_t tok = g_special[i], len;
+            uint32_t tok = g_special[i], len, k = g_special_lcp[i];
+            if (dead != NONE && k > dead)
+                continue;
             const uint8_t *b = rudder_token_bytes(tok, &len);
-            copy_state(&t, s0);
-            if (rudder_js_push(js, &t, b, len))
+            dead = NONE;
+            for (; k < len; k++) {
+                copy_state(&J[k + 1], &J[k]);
+                if (!push_byte(js, &J[k + 1], b[k])) {
+                    dead = k;
+                    break;
+                }
+            }
+            if (dead == NONE)
                 rudder_mask_set(mask, tok);
         }
         return rudder_mask_count(mask);
     }
-    /* The trie walk, one state per depth; a dead byte skips its whole subtree. */
+    /* The trie walk, one state per depth; a dead byte skips its whole subtree. The first
+     * level comes from a compact copy (most states kill most first bytes, and the first-level
+     * nodes are spread over the whole trie). */
     const rudder_trie *tr = rudder_trie_get();
     const uint32_t *nodes = tr->nodes;
-    uint32_t *ends = tr->ends, n = tr->n_nodes, depth = 0, i = 1;
+    uint32_t *ends = tr->ends;
     st *J = js->walk;
     copy_state(&J[0], s0);
-    ends[0] = n;
-    while (i < n) {
-        while (i >= ends[depth])
-            depth--;
-        uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
-        st *child = &J[depth + 1];
-        copy_state(child, &J[depth]);
-        if (!push_byte(js, child, (uint8_t)w0)) {
-            i += size;
+    uint32_t *sets = js->walk_sets;   /* per depth: candidate next bytes (all ones: any) */
+    if (!candidates(js, s0, sets))
+        memset(sets, 0xff, 32);
+    for (uint32_t r = 0; r < g_n_first; r++) {
+        if (!bit(sets, g_first_byte[r]))
             continue;
-        }
-        uint32_t tok1 = w0 >> 8;
-        if (tok1) {
-            mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+        uint32_t at = g_first[r], w0 = nodes[2 * at], end = at + nodes[2 * at + 1];
+        copy_state(&J[1], &J[0]);
+        if (!push_byte(js, &J[1], (uint8_t)g_first_byte[r]))
+            continue;
+        if (w0 >> 8) {
+            mask[((w0 >> 8) - 1) >> 5] |= 1u << (((w0 >> 8) - 1) & 31);
             count++;
         }
-        if (size > 1)
-            ends[++depth] = i + size;
-        i++;
+        uint32_t depth = 1, i = at + 1;
+        ends[1] = end;
+        if (end > i && !candidates(js, &J[1], sets + 8))
+            memset(sets + 8, 0xff, 32);
+        while (i < end) {
+            while (i >= ends[depth])
+                depth--;
+            uint32_t w = nodes[2 * i], size = nodes[2 * i + 1];
+            if (!bit(sets + 8 * depth, (uint8_t)w)) {   /* the state cannot take this byte */
+                i += size;
+                continue;
+            }
+            st *child = &J[depth + 1];
+            copy_state(child, &J[depth]);
+            if (!push_byte(js, child, (uint8_t)w)) {
+                i += size;
+                continue;
+            }
+            uint32_t tok1 = w >> 8;
+            if (tok1) {
+                mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+                count++;
+            }
+            if (size > 1) {
+                ends[++depth] = i + size;
+                if (!candidates(js, child, sets + 8 * depth))
+                    memset(sets + 8 * depth, 0xff, 32);
+            }
+            i++;
+        }
     }
     return count;
 }
@@ -1763,22 +2045,21 @@ static void build(rudder_js *js, const st *s, entry *e) {
     *in = (rudder_js_info){0};
     e->n_toks = 0;
     in->accepting = accepting(js, s);
-    if (js->ff) {
+    if (js->ff && js->ff_budget) {
         uint32_t k = forced_tokens(js, s, e);
+        if (k > js->ff_budget)
+            k = js->ff_budget;   /* the host's limit per step: the rest comes next step */
         if (k) {
             in->ff = e->toks;
             in->n_ff = k;
             return;
         }
     }
-    if (!e->mask)
-        e->mask = rudder_mask_new();
-    else
-        rudder_mask_clear_all(e->mask);
+    rudder_mask_clear_all(e->mask);
     uint32_t count = fill_mask(js, s, e->mask);
     uint32_t eos = rudder_eos_token();
     in->mask = e->mask;
-    if (count && js->ff && count <= LIST_MAX_ALLOWED) {   /* a choice that forces what follows */
+    if (count && js->ff && js->ff_budget && count <= LIST_MAX_ALLOWED) {   /* a choice that forces what follows */
         uint32_t budget = js->ff_budget, words = rudder_mask_words();
         for (uint32_t w = 0; w < words; w++)
             for (uint32_t bits = e->mask[w]; bits; bits &= bits - 1) {
