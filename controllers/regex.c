@@ -98,18 +98,6 @@ static uint32_t *forced_tokens(uint32_t state, uint32_t *n_out) {
     return toks;
 }
 
-/* Grow `p` to hold at least `need` bytes (doubling); *cap is in bytes. */
-static void *grow_bytes(void *p, uint32_t *cap, uint32_t need) {
-    uint32_t c = *cap ? *cap : 256;
-    while (c < need)
-        c *= 2;
-    p = rudder_realloc(p, c);
-    if (!p)
-        rudder_panic("regex: out of memory");
-    *cap = c;
-    return p;
-}
-
 /* Tokens allowed at a state after which bytes are forced: candidates for ff lists. */
 typedef struct {
     uint32_t *tokens, *ends, n, cap;
@@ -125,7 +113,7 @@ static bool note_forced(void *self, uint32_t state, uint32_t token) {
         return true;
     if (state >= cap_forces) {
         uint32_t old = cap_forces;
-        forces = grow_bytes(forces, &cap_forces, state + 1);
+        forces = rudder_grow(forces, &cap_forces, state + 1, 1);
         memset(forces + old, 0, cap_forces - old);
     }
     if (!forces[state])
@@ -145,9 +133,8 @@ static uint32_t push(void *self, uint32_t state, uint8_t byte) {
 /* The state's entry (`infos` may move: do not keep the pointer across another slot() call). */
 static state_info *slot(uint32_t state) {
     if (state >= cap_infos) {
-        uint32_t old = cap_infos, bytes = cap_infos * sizeof(state_info);
-        infos = grow_bytes(infos, &bytes, (state + 1) * sizeof(state_info));
-        cap_infos = bytes / sizeof(state_info);
+        uint32_t old = cap_infos;
+        infos = rudder_grow(infos, &cap_infos, state + 1, sizeof(state_info));
         memset(infos + old, 0, (cap_infos - old) * sizeof(state_info));
     }
     return &infos[state];

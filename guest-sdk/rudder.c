@@ -212,6 +212,29 @@ int32_t rudder_var_set(const char *key, const void *val, uint32_t len) {
     return rudder_sys_var_set(key, (uint32_t)strlen(key), val, len);
 }
 
+uint32_t rudder_utf8_encode(uint32_t cp, uint8_t out[4]) {
+    if (cp < 0x80) {
+        out[0] = (uint8_t)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        out[0] = (uint8_t)(0xc0 | cp >> 6);
+        out[1] = (uint8_t)(0x80 | (cp & 0x3f));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        out[0] = (uint8_t)(0xe0 | cp >> 12);
+        out[1] = (uint8_t)(0x80 | ((cp >> 6) & 0x3f));
+        out[2] = (uint8_t)(0x80 | (cp & 0x3f));
+        return 3;
+    }
+    out[0] = (uint8_t)(0xf0 | cp >> 18);
+    out[1] = (uint8_t)(0x80 | ((cp >> 12) & 0x3f));
+    out[2] = (uint8_t)(0x80 | ((cp >> 6) & 0x3f));
+    out[3] = (uint8_t)(0x80 | (cp & 0x3f));
+    return 4;
+}
+
 bool rudder_utf8_valid(const void *text, uint32_t len) {
     const uint8_t *s = text;
     uint32_t i = 0;

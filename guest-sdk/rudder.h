@@ -226,6 +226,8 @@ uint32_t *rudder_tokenize(const void *text, uint32_t len, uint32_t *n);
 uint32_t *rudder_tokenize_str(const char *text, uint32_t *n);
 /* Strict UTF-8 (no overlong forms, no surrogates, nothing past U+10FFFF), as the host checks. */
 bool rudder_utf8_valid(const void *text, uint32_t len);
+/* Write code point cp (at most U+10FFFF) as UTF-8 into out[0..4); returns its length (1-4). */
+uint32_t rudder_utf8_encode(uint32_t cp, uint8_t out[4]);
 
 /* The request argument (NUL-terminated; *len may be NULL). */
 const char *rudder_arg(uint32_t *len);
@@ -256,6 +258,9 @@ void *rudder_zalloc(size_t n);
 void *rudder_xalloc(size_t n);
 void *rudder_realloc(void *p, size_t n);
 void rudder_free(void *p);
+/* A growable array: `p` (NULL at first) with room for *cap items of `elem` bytes, grown by
+ * doubling to at least `need` items (new room is not zeroed); traps when out of memory. */
+void *rudder_grow(void *p, uint32_t *cap, uint32_t need, uint32_t elem);
 __attribute__((noreturn)) void rudder_panic(const char *why);   /* log and trap */
 
 /* No libc here; these are provided by the SDK (memcpy and memset compile to bulk-memory ops). */

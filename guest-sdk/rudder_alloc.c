@@ -114,6 +114,19 @@ void *rudder_realloc(void *p, size_t n) {
     return q;
 }
 
+void *rudder_grow(void *p, uint32_t *cap, uint32_t need, uint32_t elem) {
+    if (need <= *cap)
+        return p;
+    uint32_t c = *cap ? *cap : 16;
+    while (c < need)
+        c *= 2;
+    p = rudder_realloc(p, (size_t)c * elem);
+    if (!p)
+        rudder_panic("out of memory (growing an array)");
+    *cap = c;
+    return p;
+}
+
 void *rudder_zalloc(size_t n) {
     void *p = rudder_alloc(n);
     if (p)

@@ -362,18 +362,9 @@ static void sb_put(sbuf *b, const char *s, uint32_t len) {
 }
 
 static void sb_utf8(sbuf *b, uint32_t cp) {
-    char u[4];
-    uint32_t n;
-    if (cp < 0x80)
-        u[0] = (char)cp, n = 1;
-    else if (cp < 0x800)
-        u[0] = (char)(0xc0 | cp >> 6), u[1] = (char)(0x80 | (cp & 63)), n = 2;
-    else if (cp < 0x10000)
-        u[0] = (char)(0xe0 | cp >> 12), u[1] = (char)(0x80 | ((cp >> 6) & 63)), u[2] = (char)(0x80 | (cp & 63)), n = 3;
-    else
-        u[0] = (char)(0xf0 | cp >> 18), u[1] = (char)(0x80 | ((cp >> 12) & 63)), u[2] = (char)(0x80 | ((cp >> 6) & 63)),
-        u[3] = (char)(0x80 | (cp & 63)), n = 4;
-    sb_put(b, u, n);
+    uint8_t u[4];
+    uint32_t n = rudder_utf8_encode(cp, u);
+    sb_put(b, (const char *)u, n);
 }
 
 static int hexval(char c) {

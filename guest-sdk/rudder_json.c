@@ -90,21 +90,7 @@ static bool string(parser *ps, const uint8_t *start, uint8_t *out, uint32_t *len
             ps->p += 6;
             cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
         }
-        if (cp < 0x80) {
-            out[n++] = (uint8_t)cp;
-        } else if (cp < 0x800) {
-            out[n++] = (uint8_t)(0xc0 | cp >> 6);
-            out[n++] = (uint8_t)(0x80 | (cp & 0x3f));
-        } else if (cp < 0x10000) {
-            out[n++] = (uint8_t)(0xe0 | cp >> 12);
-            out[n++] = (uint8_t)(0x80 | ((cp >> 6) & 0x3f));
-            out[n++] = (uint8_t)(0x80 | (cp & 0x3f));
-        } else {
-            out[n++] = (uint8_t)(0xf0 | cp >> 18);
-            out[n++] = (uint8_t)(0x80 | ((cp >> 12) & 0x3f));
-            out[n++] = (uint8_t)(0x80 | ((cp >> 6) & 0x3f));
-            out[n++] = (uint8_t)(0x80 | (cp & 0x3f));
-        }
+        n += rudder_utf8_encode(cp, out + n);
     }
     return fail(ps, "unterminated string", start);
 }

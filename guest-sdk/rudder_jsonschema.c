@@ -80,27 +80,14 @@ struct rudder_js {
 static inline bool bit(const uint32_t *set, uint8_t b) { return (set[b >> 5] >> (b & 31)) & 1; }
 static inline void set_bit(uint32_t *set, uint8_t b) { set[b >> 5] |= 1u << (b & 31); }
 
-static void *grow(void *p, uint32_t *cap, uint32_t need, uint32_t size) {
-    if (need <= *cap)
-        return p;
-    uint32_t c = *cap ? *cap : 16;
-    while (c < need)
-        c *= 2;
-    p = rudder_realloc(p, (size_t)c * size);
-    if (!p)
-        rudder_panic("jsonschema: out of memory");
-    *cap = c;
-    return p;
-}
-
 static uint32_t new_node(rudder_js *js, uint8_t kind) {
-    js->nodes = grow(js->nodes, &js->cap_nodes, js->n_nodes + 1, sizeof(jnode));
+    js->nodes = rudder_grow(js->nodes, &js->cap_nodes, js->n_nodes + 1, sizeof(jnode));
     js->nodes[js->n_nodes] = (jnode){.kind = kind, .extra = NONE, .max = NONE};
     return js->n_nodes++;
 }
 
 static uint32_t new_tnode(rudder_js *js, uint8_t byte) {
-    js->trie = grow(js->trie, &js->cap_trie, js->n_trie + 1, sizeof(tnode));
+    js->trie = rudder_grow(js->trie, &js->cap_trie, js->n_trie + 1, sizeof(tnode));
     js->trie[js->n_trie] = (tnode){.child = NONE, .sibling = NONE, .term = NONE, .byte = byte};
     return js->n_trie++;
 }
@@ -231,8 +218,8 @@ static uint32_t memo_get(comp *c, const rudder_jv *s) {
 }
 
 static void memo_put(comp *c, const rudder_jv *s, uint32_t id) {
-    c->memo_src = grow(c->memo_src, &c->cap_memo, c->n_memo + 1, sizeof *c->memo_src);
-    c->memo_id = grow(c->memo_id, &c->cap_memo2, c->n_memo + 1, sizeof *c->memo_id);
+    c->memo_src = rudder_grow(c->memo_src, &c->cap_memo, c->n_memo + 1, sizeof *c->memo_src);
+    c->memo_id = rudder_grow(c->memo_id, &c->cap_memo2, c->n_memo + 1, sizeof *c->memo_id);
     c->memo_src[c->n_memo] = s;
     c->memo_id[c->n_memo++] = id;
 }
@@ -352,7 +339,7 @@ static uint32_t compile_object(comp *c, uint32_t id, const rudder_jv *s) {
     if (n > MAX_PROPS)
         return cfail(c, "too many properties (at most 64 per object) in", "properties", 10);
     uint32_t first = js->n_props;
-    js->props = grow(js->props, &js->cap_props, first + n, sizeof(prop));
+    js->props = rudder_grow(js->props, &js->cap_props, first + n, sizeof(prop));
     js->n_props += n;
     uint32_t trie = new_tnode(js, 0);
     uint64_t required = 0;
@@ -418,7 +405,7 @@ static uint32_t compile_array(comp *c, uint32_t id, const rudder_jv *s) {
     if (prefix && prefix->type != RUDDER_JV_ARRAY)
         return cfail(c, "must be an array:", "prefixItems", 11);
     uint32_t n = prefix ? prefix->n : 0, first = js->n_idx;
-    js->idx = grow(js->idx, &js->cap_idx, first + n, 4);
+    js->idx = rudder_grow(js->idx, &js->cap_idx, first + n, 4);
     js->n_idx += n;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t saved;
@@ -608,7 +595,7 @@ static uint32_t compile_number(comp *c, uint32_t id, const rudder_jv *s, bool in
 static uint32_t make_union(comp *c, uint32_t id, const uint32_t *alts, uint32_t n) {
     rudder_js *js = c->js;
     uint32_t first = js->n_idx;
-    js->idx = grow(js->idx, &js->cap_idx, first + n, 4);
+    js->idx = rudder_grow(js->idx, &js->cap_idx, first + n, 4);
     js->n_idx += n;
     memcpy(js->idx + first, alts, n * 4);
     jnode *node = &js->nodes[id];
@@ -1302,14 +1289,8 @@ static int str_byte(st *s, const jnode *n, uint8_t b) {
         uint32_t cp = s->hex;
         s->hex = 0;
         s->lphase = SL_CHAR;
-        uint8_t u[3];
-        uint32_t k;
-        if (cp < 0x80)
-            u[0] = (uint8_t)cp, k = 1;
-        else if (cp < 0x800)
-            u[0] = (uint8_t)(0xc0 | cp >> 6), u[1] = (uint8_t)(0x80 | (cp & 0x3f)), k = 2;
-        else
-            u[0] = (uint8_t)(0xe0 | cp >> 12), u[1] = (uint8_t)(0x80 | ((cp >> 6) & 0x3f)), u[2] = (uint8_t)(0x80 | (cp & 0x3f)), k = 3;
+        uint8_t u[4];
+        uint32_t k = rudder_utf8_encode(cp, u);   /* cp <= 0xffff: a \uXXXX escape */
         if (count_char(n, s, u[0]) == DEAD)
             return DEAD;
         for (uint32_t i = 1; i < k; i++)
@@ -2033,7 +2014,7 @@ static uint32_t forced_tokens(rudder_js *js, const st *s, entry *e) {
     const uint8_t *last = rudder_token_bytes(toks[nt - 1], &last_len);
     if (extends(js, &at_whole, last, last_len))
         nt--;
-    e->toks = grow(e->toks, &e->cap_toks, e->n_toks + nt + 1, 4);
+    e->toks = rudder_grow(e->toks, &e->cap_toks, e->n_toks + nt + 1, 4);
     memcpy(e->toks + e->n_toks, toks, nt * 4);
     e->n_toks += nt;
     rudder_free(toks);
@@ -2069,7 +2050,7 @@ static void build(rudder_js *js, const st *s, entry *e) {
                 copy_state(&after, s);
                 rudder_js_push(js, &after, b, len);
                 uint32_t start = e->n_toks;
-                e->toks = grow(e->toks, &e->cap_toks, start + 1, 4);
+                e->toks = rudder_grow(e->toks, &e->cap_toks, start + 1, 4);
                 e->toks[e->n_toks++] = t;
                 uint32_t k = forced_tokens(js, &after, e);
                 if (!k || k + 1 > budget) {
@@ -2077,7 +2058,7 @@ static void build(rudder_js *js, const st *s, entry *e) {
                     continue;
                 }
                 budget -= k + 1;
-                e->lists = grow(e->lists, &e->cap_lists, 2 * in->n_lists + 2, 4);
+                e->lists = rudder_grow(e->lists, &e->cap_lists, 2 * in->n_lists + 2, 4);
                 e->lists[2 * in->n_lists] = start;
                 e->lists[2 * in->n_lists + 1] = k + 1;
                 in->n_lists++;

@@ -18,19 +18,6 @@
  * Small helpers: a growable array and an arena whose blocks never move.
  * ------------------------------------------------------------------------------------------ */
 
-static void *grow(void *p, uint32_t *cap, uint32_t need, uint32_t elem) {
-    if (need <= *cap)
-        return p;
-    uint32_t c = *cap ? *cap : 16;
-    while (c < need)
-        c *= 2;
-    p = rudder_realloc(p, (size_t)c * elem);
-    if (!p)
-        rudder_panic("regex: out of memory");
-    *cap = c;
-    return p;
-}
-
 typedef struct arena_block {
     struct arena_block *prev;
     uint32_t used, cap;
@@ -120,13 +107,13 @@ static uint32_t fail_at(parser *p, uint32_t pos, const char *msg) {
 static uint32_t fail(parser *p, const char *msg) { return fail_at(p, p->pos, msg); }
 
 static uint32_t new_node(parser *p, uint8_t kind) {
-    p->nodes = grow(p->nodes, &p->cap_nodes, p->n_nodes + 1, sizeof(rx_node));
+    p->nodes = rudder_grow(p->nodes, &p->cap_nodes, p->n_nodes + 1, sizeof(rx_node));
     p->nodes[p->n_nodes] = (rx_node){.kind = kind, .first = NONE, .next = NONE};
     return p->n_nodes++;
 }
 
 static void add_range(parser *p, uint32_t lo, uint32_t hi) {
-    p->ranges = grow(p->ranges, &p->cap_ranges, p->n_ranges + 2, sizeof(uint32_t));
+    p->ranges = rudder_grow(p->ranges, &p->cap_ranges, p->n_ranges + 2, sizeof(uint32_t));
     p->ranges[p->n_ranges++] = lo;
     p->ranges[p->n_ranges++] = hi;
 }
@@ -572,7 +559,7 @@ static uint32_t nfa_add(rudder_rx *rx, uint8_t kind, uint8_t lo, uint8_t hi, uin
         rx->too_big = true;
         return 0;
     }
-    rx->nfa = grow(rx->nfa, &rx->cap_nfa, rx->n_nfa + 1, sizeof(nfa_state));
+    rx->nfa = rudder_grow(rx->nfa, &rx->cap_nfa, rx->n_nfa + 1, sizeof(nfa_state));
     rx->nfa[rx->n_nfa] = (nfa_state){.kind = kind, .lo = lo, .hi = hi, .out = out, .out2 = out2};
     return rx->n_nfa++;
 }
@@ -590,29 +577,6 @@ static uint32_t utf8_seq(rudder_rx *rx, const uint8_t *lo, const uint8_t *hi, in
     for (int i = n - 1; i >= 0; i--)
         next = nfa_add(rx, S_BYTE, lo[i], hi[i], next, NONE);
     return next;
-}
-
-static int utf8_encode(uint32_t cp, uint8_t *b) {
-    if (cp < 0x80) {
-        b[0] = (uint8_t)cp;
-        return 1;
-    }
-    if (cp < 0x800) {
-        b[0] = (uint8_t)(0xc0 | (cp >> 6));
-        b[1] = (uint8_t)(0x80 | (cp & 0x3f));
-        return 2;
-    }
-    if (cp < 0x10000) {
-        b[0] = (uint8_t)(0xe0 | (cp >> 12));
-        b[1] = (uint8_t)(0x80 | ((cp >> 6) & 0x3f));
-        b[2] = (uint8_t)(0x80 | (cp & 0x3f));
-        return 3;
-    }
-    b[0] = (uint8_t)(0xf0 | (cp >> 18));
-    b[1] = (uint8_t)(0x80 | ((cp >> 12) & 0x3f));
-    b[2] = (uint8_t)(0x80 | ((cp >> 6) & 0x3f));
-    b[3] = (uint8_t)(0x80 | (cp & 0x3f));
-    return 4;
 }
 
 /* Code points lo..hi (same UTF-8 length, no surrogates) as alternatives of byte-range
@@ -640,8 +604,8 @@ static uint32_t utf8_range(rudder_rx *rx, uint32_t lo, uint32_t hi, uint32_t nex
         }
     }
     uint8_t a[4], b[4];
-    int n = utf8_encode(lo, a);
-    utf8_encode(hi, b);
+    int n = (int)rudder_utf8_encode(lo, a);
+    rudder_utf8_encode(hi, b);
     return utf8_seq(rx, a, b, n, next);
 }
 
@@ -832,24 +796,24 @@ static uint32_t intern(rudder_rx *rx, uint32_t n) {
     uint32_t id = rx->n_dfa++, nc = rx->dfa.n_classes, w = rx->n_words;
     if (id >= rx->cap_dfa) {
         uint32_t cap = rx->cap_dfa;
-        rx->sets = grow(rx->sets, &cap, id + 1, sizeof(uint32_t *));
+        rx->sets = rudder_grow(rx->sets, &cap, id + 1, sizeof(uint32_t *));
         cap = rx->cap_dfa;
-        rx->hashes = grow(rx->hashes, &cap, id + 1, sizeof(uint32_t));
+        rx->hashes = rudder_grow(rx->hashes, &cap, id + 1, sizeof(uint32_t));
         cap = rx->cap_dfa;
-        rx->accept = grow(rx->accept, &cap, id + 1, sizeof(uint32_t *));
+        rx->accept = rudder_grow(rx->accept, &cap, id + 1, sizeof(uint32_t *));
         cap = rx->cap_dfa;
-        rx->alive = grow(rx->alive, &cap, id + 1, sizeof(uint32_t *));
+        rx->alive = rudder_grow(rx->alive, &cap, id + 1, sizeof(uint32_t *));
         cap = rx->cap_dfa;
-        rx->flags = grow(rx->flags, &cap, id + 1, 1);
+        rx->flags = rudder_grow(rx->flags, &cap, id + 1, 1);
         cap = rx->cap_dfa;
-        rx->forced = grow(rx->forced, &cap, id + 1, sizeof(int16_t));
+        rx->forced = rudder_grow(rx->forced, &cap, id + 1, sizeof(int16_t));
         cap = rx->cap_dfa;
-        rx->masks = grow(rx->masks, &cap, id + 1, sizeof(uint32_t *));
+        rx->masks = rudder_grow(rx->masks, &cap, id + 1, sizeof(uint32_t *));
         rx->cap_dfa = cap;
     }
     if ((id + 1) * nc > rx->cap_next) {
         uint32_t old = rx->cap_next;
-        rx->dfa.next = grow(rx->dfa.next, &rx->cap_next, (id + 1) * nc, sizeof(uint32_t));
+        rx->dfa.next = rudder_grow(rx->dfa.next, &rx->cap_next, (id + 1) * nc, sizeof(uint32_t));
         for (uint32_t i = old; i < rx->cap_next; i++)
             rx->dfa.next[i] = RUDDER_RX_UNKNOWN;
     }
@@ -892,7 +856,7 @@ static uint32_t intern(rudder_rx *rx, uint32_t n) {
 }
 
 static void scratch(rudder_rx *rx, uint32_t need) {
-    rx->buf = grow(rx->buf, &rx->cap_buf, need, sizeof(uint32_t));
+    rx->buf = rudder_grow(rx->buf, &rx->cap_buf, need, sizeof(uint32_t));
 }
 
 uint32_t rudder_rx_push_slow(rudder_rx *rx, uint32_t state, uint8_t byte) {

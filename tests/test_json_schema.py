@@ -396,7 +396,7 @@ def test_rejected_token_fails_the_request(rt, module, tok):
 @pytest.mark.parametrize("name", ["person", "nested", "recursive", "formats", "extras", "any"])
 def test_tiny_model_outputs_validate(name):
     """Random weights sample wildly: every output under the constraint still validates."""
-    from rudder import LLM, SamplingParams
+    from rudder import SamplingParams
 
     llm = _tiny()
     schema = SCHEMAS[name]

@@ -9,7 +9,6 @@ the models; its masks are compared with llguidance's.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -95,16 +95,16 @@ class _InFlight:
 
 
 def _run_calls(calls) -> list:
-    """Run mid_process calls in order; each answer is (seq_id, a Branch list or the exception
-    raised, seconds taken)."""
+    """Run mid_process calls `(key, controller, branch_idx, backtrack, tokens)` in order; each
+    answer is (key, a Branch list or the exception raised, seconds taken)."""
     answers = []
-    for seq_id, controller, branch_idx, backtrack, tokens in calls:
+    for key, controller, branch_idx, backtrack, tokens in calls:
         t0 = time.perf_counter()
         try:
             answer = controller.mid_process(branch_idx, backtrack, tokens)
         except Exception as e:
             answer = e
-        answers.append((seq_id, answer, time.perf_counter() - t0))
+        answers.append((key, answer, time.perf_counter() - t0))
     return answers
 
 
@@ -282,6 +282,10 @@ class Engine:
             tokens, seq.ctl_append = seq.ctl_append, []
             backtrack, seq.ctl_backtrack = seq.ctl_backtrack, 0
             calls.append((seq.seq_id, seq.controller, seq.ctl_branch, backtrack, tokens))
+        return self.submit_calls(calls)
+
+    def submit_calls(self, calls: list) -> list:
+        """Futures of `_run_calls` over `calls`, split over the controller threads."""
         if self.pool is None:  # controller_threads=0: run them here, before the forward pass
             done = Future()
             done.set_result(_run_calls(calls))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..branch import Branch
@@ -140,19 +139,6 @@ def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
     return min(int(torch.searchsorted(cdf, cdf[-1] * u, right=True)), weights.shape[0] - 1)
 
 
-def _timed_calls(calls) -> list:
-    """mid_process calls in order: (seq, answer or exception, seconds)."""
-    out = []
-    for seq, branch_idx, backtrack, tokens in calls:
-        t = time.perf_counter()
-        try:
-            answer = seq.controller.mid_process(branch_idx, backtrack, tokens)
-        except Exception as e:
-            answer = e
-        out.append((seq, answer, time.perf_counter() - t))
-    return out
-
-
 class Speculator:
     """Drafting before the step, verification after it, for the engine's speculative sequences."""
 
@@ -220,7 +206,6 @@ class Speculator:
             self._draft(drafts)
 
     def _draft(self, drafts: dict) -> None:
-        eng = self.engine
         # The first call reports what the normal step would (the pending token, a backtrack...).
         tell = {}
         for seq in drafts:
@@ -268,16 +253,8 @@ class Speculator:
             seq.token_ids.extend(d.tokens)  # pending: the scheduler feeds them with the real token
 
     def _start_calls(self, tell: dict) -> list:
-        from concurrent.futures import Future
-
-        calls = [(seq, *args) for seq, args in tell.items()]
-        pool = self.engine.pool
-        if not calls or pool is None:
-            done = Future()
-            done.set_result(_timed_calls(calls))
-            return [done]
-        n = min(self.engine.controller_threads, len(calls))
-        return [pool.submit(_timed_calls, calls[i::n]) for i in range(n)]
+        """The controllers' mid_process calls, answered as (seq, answer, seconds)."""
+        return self.engine.submit_calls([(seq, seq.controller, *args) for seq, args in tell.items()])
 
     def _next_step(self, seq, d: Draft, draft_logits) -> _Step | None:
         """The next drafted position under the controller's latest answer, or None to end the

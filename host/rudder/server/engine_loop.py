@@ -125,9 +125,7 @@ class EngineLoop:
         if message is not None:
             error = from_finish(message, log_text[-2048:])
             self.metrics.failure(error.extra.get("kind", error.type))
-        spec = req.spec_stats.as_dict(sum(len(c.token_ids) for c in completions)) if req.spec_stats else None
-        result = Result(completions, len(req.prompt_ids), req.usage, time.perf_counter() - job.started, log_text, error,
-                        spec)
+        result = Result(completions, len(req.prompt_ids), req.usage, time.perf_counter() - job.started, log_text, error)
         self.metrics.finished(result)
         job.post(("done", result))
 

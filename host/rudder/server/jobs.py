@@ -24,15 +24,15 @@ class Result:
     total_s: float
     log: str
     error: APIError | None = None
-    speculative: dict | None = None  # the request's speculative-decoding stats, if it asked for it
 
     def usage_dict(self) -> dict:
         u = self.usage
         out = {"prompt_tokens": self.prompt_tokens,
                "completion_tokens": sum(len(c.token_ids) for c in self.completions),
                "sampled_tokens": u.sampled_tokens, "ff_tokens": u.ff_tokens, "forks": u.forks}
-        if self.speculative is not None:
-            out["speculative"] = self.speculative
+        spec = self.completions[0].speculative if self.completions else None  # the request's, on each
+        if spec is not None:
+            out["speculative"] = spec
         return out
 
     def timings_dict(self) -> dict:
