@@ -33,7 +33,19 @@ PROBE_C = r"""
 
 /* Records separated by 0x1e: P<regex> and L<literal> (the patterns, first), then queries:
  * Q<bytes> (pushed from the start of all patterns), S<subset>\x1f<bytes> (a subset start),
- * E<text> (log rudder_rx_escape's output). */
+ * E<text> (log rudder_rx_escape's output). Every payload is hex-encoded, so that it may hold
+ * any byte, the separators included. */
+static uint32_t nibble(char c) { return c <= '9' ? (uint32_t)(c - '0') : (uint32_t)(c - 'a' + 10); }
+
+static const char *unhex(const char *s, uint32_t n, uint32_t *len) {
+    char *out = rudder_xalloc(n / 2 + 1);   /* kept: patterns point into it */
+    for (uint32_t k = 0; k + 1 < n; k += 2)
+        out[k / 2] = (char)(nibble(s[k]) << 4 | nibble(s[k + 1]));
+    out[n / 2] = 0;
+    *len = n / 2;
+    return out;
+}
+
 static void words(const char *name, const uint32_t *w, uint32_t n) {
     rudder_logf(" %s=", name);
     for (uint32_t i = 0; i < n; i++)
@@ -51,7 +63,14 @@ int controller_start(const char *arg, uint32_t len) {
             j++;
         char kind = i < len ? arg[i] : 0;
         const char *text = arg + i + 1;
-        uint32_t tlen = j > i ? j - i - 1 : 0;
+        uint32_t tlen = j > i ? j - i - 1 : 0, subset = 0;
+        if (kind == 'S') {
+            uint32_t k = 0;
+            while (text[k] != 0x1f)
+                subset = subset * 10 + (uint32_t)(text[k++] - '0');
+            text += k + 1, tlen -= k + 1;
+        }
+        text = unhex(text, tlen, &tlen);
         if (kind == 'P' || kind == 'L') {
             pats[n++] = (rudder_rx_pattern){.text = text, .len = tlen, .literal = kind == 'L'};
         } else if (!rx && !(rx = rudder_rx_new(pats, n, err, sizeof err))) {
@@ -65,14 +84,7 @@ int controller_start(const char *arg, uint32_t len) {
             rudder_log("\n");
         }
         if (kind == 'Q' || kind == 'S') {
-            uint32_t subset = 0, state;
-            if (kind == 'S') {
-                uint32_t k = 0;
-                while (text[k] != 0x1f)
-                    subset = subset * 10 + (uint32_t)(text[k++] - '0');
-                text += k + 1, tlen -= k + 1;
-            }
-            state = rudder_rx_start(rx, kind == 'S' ? &subset : NULL);
+            uint32_t state = rudder_rx_start(rx, kind == 'S' ? &subset : NULL);
             state = rudder_rx_push_bytes(rx, state, (const uint8_t *)text, tlen);
             if (state == RUDDER_DEAD) {
                 rudder_log("dead\n");
@@ -122,9 +134,10 @@ def probe(byte_rt, tmp_path_factory):
     module = byte_rt.load(build_controller([folder / "rx_probe.c"], folder / "rx_probe.wasm", debug=True))
 
     def run(patterns, queries):
-        recs = [b"L" + p if isinstance(p, bytes) else b"P" + p.encode() for p in patterns]
+        recs = [b"L" + p.hex().encode() if isinstance(p, bytes) else b"P" + p.encode().hex().encode() for p in patterns]
         for q in queries:
-            recs.append(b"S" + str(q[0]).encode() + SUB + q[1] if isinstance(q, tuple) else b"Q" + q)
+            recs.append(b"S" + str(q[0]).encode() + SUB + q[1].hex().encode() if isinstance(q, tuple)
+                        else b"Q" + q.hex().encode())
         ctl = byte_rt.start(module, SEP.join(recs) + (SEP if not queries else b""))
         log = ctl.log_text()
         ctl.close()
@@ -177,6 +190,13 @@ def test_engine_agrees_with_python_re(probe, pattern, data):
         assert (a is not None and a["acc"] == 0) == expect, (pattern, q)
         assert a is None or a["accepting"] == (a["acc"] == 0)
     assert all(a is not None for a in answers[len(queries):]), "a prefix of a match is dead"
+
+
+def test_control_bytes_are_ordinary_input(probe):
+    """0x1e and 0x1f (the probe's own separators, which hypothesis once drew) are plain bytes."""
+    one, two, _ = probe([".", "\x1e+"], [b"\x1e", b"\x1f", b"\x1e\x1e"])
+    assert one["set"] == 0b11 and two["set"] == 0b01
+    assert probe([".", "\x1e+"], [b"\x1e\x1e"])[0]["set"] == 0b10
 
 
 def test_multi_pattern_accept_and_alive_sets(probe):
@@ -273,7 +293,7 @@ def test_compile_errors_are_clear(probe, pattern):
 
 def test_escaped_text_matches_itself_only(probe, byte_rt):
     text = "a.b*c+?(x)[y]{2}|^$\\-\n\t é日"
-    ctl = byte_rt.start(probe.module, b"Px" + SEP + b"E" + text.encode())
+    ctl = byte_rt.start(probe.module, b"P" + b"x".hex().encode() + SEP + b"E" + text.encode().hex().encode())
     escaped = ctl.log_text()[:-1]
     ctl.close()
     assert re.fullmatch(escaped, text) and not re.fullmatch(escaped, text.replace(".", "x"))
