@@ -160,8 +160,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (without the `model.` prefix); fails on anything missing."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..packed_linear import unpack_linears
 from .block_manager import BlockManager, KVCacheFull
 from .model_runner import ModelRunner, ScheduledSeq
 
@@ -102,6 +103,7 @@ class _QuantizedLM(nn.Module):
 
     def __init__(self, base):
         super().__init__()
+        unpack_linears(base)  # quantize_dynamic swaps nn.Linear modules only
         head = nn.Linear(base.cfg.hidden_size, base.cfg.vocab_size, bias=False)
         tied = base.embed_tokens if base.lm_head is None else base.lm_head
         head.weight = nn.Parameter(tied.weight.detach().clone(), requires_grad=False)

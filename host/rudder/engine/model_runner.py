@@ -9,6 +9,7 @@ import torch
 
 from ..config import ModelConfig
 from ..model import AttentionMetadata, LlamaModel
+from ..packed_linear import pack_linears
 from .sampler import SampleOutput, Sampler
 from .sequence import Sequence
 
@@ -85,7 +86,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
         cfg: ModelConfig = model.cfg
-        self.model = model
+        self.model = pack_linears(model)  # the model runs here: its GEMMs get oneDNN-packed weights
         self.sampler = Sampler(cfg.vocab_size)
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device

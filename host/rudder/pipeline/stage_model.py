@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..packed_linear import pack_linears
 from ..model import AttentionMetadata, DecoderLayer, RMSNorm, build_model, fuse_projections, rope_tables
 from .partition import StageSpec
 
@@ -42,8 +43,7 @@ class StageModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
 
 def stage_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ def build_stage_model(spec: str, stage: StageSpec, device: str | torch.device = 
         raise ValueError(f"checkpoint lacks {len(missing)} tensors of stage {stage.index}, e.g. {sorted(missing)[:3]}")
     model.load_state_dict({k: weights[k].to(device=device, dtype=torch.float32) for k in expected}, strict=True,
                           assign=True)
-    return model.eval().requires_grad_(False)
+    return pack_linears(model.eval().requires_grad_(False))
 
 
 def load_config_for(spec: str) -> ModelConfig:
