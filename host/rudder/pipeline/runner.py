@@ -36,7 +36,8 @@ class PipelineError(RunnerFailure):
 
 
 class _Step:
-    def __init__(self, num_rows: int):
+    def __init__(self, index: int, num_rows: int):
+        self.index = index  # the step number in plans
         self.num_rows = num_rows
         self.open = num_rows > 0  # the last stage waits for a sampling spec
         self.early: list | None = None  # the params of its rows when its spec went out with the plan
@@ -60,6 +61,7 @@ class PipelineRunner:
         self.busy_s = 0.0  # time rank 0 spent computing stage 0 (for the bubble measurement)
         self.stats: dict[int, dict] = {}  # per-stage busy/wall seconds, filled in by close()
         self._steps = 0
+        self._done = -1  # the last step whose tokens came back
         self._threads_before = threads_before
         self._affinity_before: tuple[int, set[int]] | None = None  # (thread, cores) to restore on close
         self.failure: str | None = None
@@ -78,16 +80,15 @@ class PipelineRunner:
         self._check()
         arrays = StepArrays.of(batch)
         copies, self._copies = self._copies, []
-        step = _Step(len(arrays.sample_rows))
+        step = _Step(self._steps, len(arrays.sample_rows))
         try:
-            self.link.prune()
-            header, payload = encode_plan(arrays, copies, self._steps)
+            self.link.step = step.index
+            spec = self._early_spec(step, batch) if step.open else None
+            header, payload = encode_plan(arrays, copies, step.index, self._done, spec)
             for rank in range(1, self.num_stages):
                 self.link.send(header, rank, PLAN)
                 self.link.send(payload, rank, PLAN)
             self._steps += 1
-            if step.open and all(older.early is not None for older in self._open):
-                self._send_early_spec(step, batch)
             started = time.perf_counter()
             with torch.inference_mode():
                 for src, dst in copies:
@@ -102,19 +103,18 @@ class PipelineRunner:
             self._open.append(step)
         return step
 
-    def _send_early_spec(self, step: _Step, batch: list[ScheduledSeq]) -> None:
+    def _early_spec(self, step: _Step, batch: list[ScheduledSeq]) -> np.ndarray | None:
         """A step none of whose sampling rows has a controller samples every row, unmasked, with
-        params known now: send its spec with the plan, so the last stage samples as soon as its
+        params known now: its spec goes with the plan, so the last stage samples as soon as its
         logits are ready instead of waiting for the coordinator (which is computing stage 0 of
-        the next micro-batch by then). Only when no older step still waits for its spec (specs
-        are taken in step order). The uniforms are drawn now from the sequences' own Generators:
-        the same values the engine's sample call would draw (each draws once per sampled step)."""
+        the next micro-batch by then), and no message of its own is sent. The uniforms are drawn
+        now from the sequences' own Generators: the same values the engine's sample call would
+        draw (each draws once per sampled step, and a sequence is in one step in flight at most)."""
         seqs = [e.seq for e in batch if e.sample]
         if any(s.controller is not None or s.deferred is not None for s in seqs):
-            return
-        params = [s.params for s in seqs]
-        self._send_spec(*self._spec(list(range(len(seqs))), params, [s.rng for s in seqs], [None] * len(seqs)))
-        step.early = params
+            return None
+        step.early = [s.params for s in seqs]
+        return self._spec(list(range(len(seqs))), step.early, [s.rng for s in seqs], [None] * len(seqs))[0]
 
     def _spec(self, rows: list[int], params: list, rngs: list, masks: list) -> tuple[np.ndarray, list]:
         n = len(rows)
@@ -145,7 +145,7 @@ class PipelineRunner:
             if any(m is not None for m in masks) or any(step.early[r] is not p for r, p in zip(rows, params)):
                 raise ValueError("a step sampled with its plan cannot take masks or other params")
             self._settle(step)
-            out = self._take_tokens(step.early)
+            out = self._take_tokens(step, step.early)
             return SampleOutput([out.tokens[r] for r in rows], [out.logprobs[r] for r in rows])
         spec = self._spec(rows, params, rngs, masks)
         self._settle(step)
@@ -153,9 +153,9 @@ class PipelineRunner:
             self._send_spec(*spec)
         except LinkError as e:
             self._fail(e)
-        return self._take_tokens(params)
+        return self._take_tokens(step, params)
 
-    def _take_tokens(self, params: list) -> SampleOutput:
+    def _take_tokens(self, step: _Step, params: list) -> SampleOutput:
         """Receive one step's tokens (and logprobs where asked for) from the last stage."""
         n = len(params)
         try:
@@ -163,7 +163,8 @@ class PipelineRunner:
             want = [p.logprobs for p in params if p.logprobs is not None]
             extra = (self.link.recv(sum(1 + 2 * k for k in want), torch.float64, self.last, TOKENS).tolist()
                      if want else [])
-            self.link.prune()
+            self._done = max(self._done, step.index)
+            self.link.release(self._done)
         except LinkError as e:
             self._fail(e)
         logprobs: list[dict | None] = [None] * n
@@ -198,7 +199,7 @@ class PipelineRunner:
 
     def _drop(self, step: _Step) -> None:
         if step.early is not None:  # sampled anyway: take the tokens and drop them
-            self._take_tokens(step.early)
+            self._take_tokens(step, step.early)
             return
         try:
             self.link.send(torch.tensor([0, 0], dtype=torch.int64), self.last, SPEC)

@@ -27,7 +27,9 @@ from .stage_model import StageModel, build_stage_model
 from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, process_group
 
 OP_STOP, OP_STEP = 0, 1
-HEADER = 8  # op, B, T, table blocks, copies, sample rows, step, reserved
+# op, B, T, table blocks, copies, sample rows, step, the last step whose tokens rank 0 has, and the
+# rows of a sampling spec that came with the plan (0: it follows on the SPEC stream)
+HEADER = 9
 SPEC_COLS = 7  # row, top_k, logprobs (-1: none), mask index (-1: none), temperature, top_p, uniform
 
 
@@ -41,26 +43,32 @@ class FixedUniform:
         return self.u
 
 
-def encode_plan(arrays: StepArrays, copies: list[tuple[int, int]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_plan(arrays: StepArrays, copies: list[tuple[int, int]], step: int, done: int,
+                spec: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's header and payload; `spec`: the step's sampling spec when it is known at launch
+    (float64 rows, carried bit for bit in the int64 payload)."""
     copies_arr = np.asarray(copies, dtype=np.int64).reshape(-1)
-    header = np.array([OP_STEP, len(arrays.counts), len(arrays.slot_mapping), arrays.tables.shape[1],
-                       len(copies), len(arrays.sample_rows), step, 0], dtype=np.int64)
+    spec_arr = np.zeros(0, dtype=np.int64) if spec is None else np.ascontiguousarray(spec, np.float64).view(np.int64)
+    header = np.array([OP_STEP, len(arrays.counts), len(arrays.slot_mapping), arrays.tables.shape[1], len(copies),
+                       len(arrays.sample_rows), step, done, 0 if spec is None else len(spec)], dtype=np.int64)
     payload = np.concatenate([arrays.counts, arrays.starts, arrays.slot_mapping, arrays.tables.reshape(-1),
-                              copies_arr, arrays.sample_rows])
+                              copies_arr, arrays.sample_rows, spec_arr.reshape(-1)])
     return torch.from_numpy(header), torch.from_numpy(payload)
 
 
-def decode_plan(header: np.ndarray, payload: np.ndarray) -> tuple[StepArrays, list[tuple[int, int]]]:
-    _, B, T, NTB, C, R, _, _ = (int(v) for v in header)
+def decode_plan(header: np.ndarray, payload: np.ndarray):
+    """(StepArrays, copies, the spec that came with the plan or None)."""
+    _, B, T, NTB, C, R, _, _, S = (int(v) for v in header)
     cuts = np.cumsum([B, B, T, B * NTB, 2 * C, R])
-    counts, starts, slots, tables, copies, rows = np.split(payload, cuts[:-1])
+    counts, starts, slots, tables, copies, rows, spec = np.split(payload, cuts)
     arrays = StepArrays(counts, starts, slots, tables.reshape(B, NTB), rows)
-    return arrays, [(int(a), int(b)) for a, b in copies.reshape(-1, 2)]
+    return (arrays, [(int(a), int(b)) for a, b in copies.reshape(-1, 2)],
+            spec.view(np.float64).reshape(S, SPEC_COLS) if S else None)
 
 
 def plan_size(header: np.ndarray) -> int:
-    _, B, T, NTB, C, R, _, _ = (int(v) for v in header)
-    return 2 * B + T + B * NTB + 2 * C + R
+    _, B, T, NTB, C, R, _, _, S = (int(v) for v in header)
+    return 2 * B + T + B * NTB + 2 * C + R + S * SPEC_COLS
 
 
 class Stage:
@@ -84,13 +92,14 @@ class Stage:
                     store.set(f"stats/{self.rank}", json.dumps({"busy_s": busy, "wall_s": time.perf_counter() - first}))
                 return
             payload = link.recv(plan_size(header), torch.int64, 0, PLAN).numpy()
-            arrays, copies = decode_plan(header, payload)
-            link.prune()  # sends that completed: their buffers can go
+            arrays, copies, spec = decode_plan(header, payload)
+            link.step = int(header[6])
+            link.release(int(header[7]))  # rank 0 has those steps' tokens: their sends were all received
             first = first or time.perf_counter()
-            busy += self.step(arrays, copies)
+            busy += self.step(arrays, copies, spec)
 
     @torch.inference_mode()
-    def step(self, arrays: StepArrays, copies: list[tuple[int, int]]) -> float:
+    def step(self, arrays: StepArrays, copies: list[tuple[int, int]], spec: np.ndarray | None) -> float:
         """Returns the seconds spent computing (not waiting)."""
         x = self.link.recv((len(arrays.slot_mapping), self.model.cfg.hidden_size), torch.float32, self.rank - 1, ACT)
         started = time.perf_counter()
@@ -106,15 +115,20 @@ class Stage:
             return time.perf_counter() - started
         logits = self.model.logits(hidden.index_select(0, sample_rows)).float()
         busy = time.perf_counter() - started
-        return busy + self.sample(logits)
+        return busy + self.sample(logits, spec)
 
-    def sample(self, logits: torch.Tensor) -> float:
+    def sample(self, logits: torch.Tensor, spec: np.ndarray | None) -> float:
+        """Sample under `spec` (it came with the plan: unmasked), or under the next one of the
+        SPEC stream (rank 0 sends it once the step's controllers are done)."""
         link = self.link
-        n, num_masks = (int(v) for v in link.recv(2, torch.int64, 0, SPEC))
-        if n == 0:
-            return 0.0
-        spec = link.recv((n, SPEC_COLS), torch.float64, 0, SPEC).numpy()
-        masks = link.recv((num_masks, self.num_words), torch.int32, 0, SPEC).numpy().view(np.uint32) if num_masks else None
+        masks = None
+        if spec is None:
+            n, num_masks = (int(v) for v in link.recv(2, torch.int64, 0, SPEC))
+            if n == 0:
+                return 0.0
+            spec = link.recv((n, SPEC_COLS), torch.float64, 0, SPEC).numpy()
+            if num_masks:
+                masks = link.recv((num_masks, self.num_words), torch.int32, 0, SPEC).numpy().view(np.uint32)
         started = time.perf_counter()
         rows = spec[:, 0].astype(np.int64).tolist()
         params = [SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), logprobs=None if lp < 0 else int(lp))

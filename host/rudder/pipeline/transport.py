@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,22 @@ def process_group(store: dist.Store, rank: int, world: int, timeout: float, host
 
 
 class Link:
+    """Sends and receives of one rank. Sends never block; each keeps its tensor alive until it is
+    released. gloo only marks a send complete when it is waited on, so sends are released by
+    step: once the coordinator has a step's tokens, every message of that step and of the steps
+    before it was received (a stage takes a step's messages before the next stage can finish
+    it), and waiting on those sends returns at once."""
+
     def __init__(self, group, timeout: float):
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.sends: list[tuple[object, torch.Tensor]] = []  # in-flight sends (their tensors kept alive)
+        self.step = 0  # the step the next sends belong to
+        self.sends: deque[tuple[int, object, torch.Tensor]] = deque()  # (step, work, tensor), in step order
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
         try:
-            self.sends.append((self.group.send([tensor], dst, tag), tensor))
+            self.sends.append((self.step, self.group.send([tensor], dst, tag), tensor))
         except RuntimeError as e:
             raise LinkError(f"send to rank {dst} failed: {_short(e)}") from e
 
@@ -54,19 +62,21 @@ class Link:
             raise LinkError(f"lost rank {src}: {_short(e)}") from e
         return out
 
-    def prune(self) -> None:
-        """Forget the sends that completed (never waits: with several steps in flight, a peer may
-        take a message only after this rank has done more work)."""
-        self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]
+    def release(self, through_step: int) -> None:
+        """Forget the sends of steps up to `through_step`, whose tokens the coordinator has."""
+        while self.sends and self.sends[0][0] <= through_step:
+            self._wait(self.sends.popleft()[1])
 
     def flush(self) -> None:
         """Wait for every send so far to be received."""
-        sends, self.sends = self.sends, []
-        for work, _ in sends:
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as e:
-                raise LinkError(f"send failed: {_short(e)}") from e
+        while self.sends:
+            self._wait(self.sends.popleft()[1])
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise LinkError(f"send failed: {_short(e)}") from e
 
 
 def _short(e: BaseException) -> str:
