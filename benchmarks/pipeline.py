@@ -21,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
 
-from rudder import LLM, SamplingParams  # noqa: E402
+from rudder import LLM, SamplingParams  # noqa: E402 (before torch: it sets OpenMP's spin for the stages)
+
+import torch  # noqa: E402
 
 TEXT = ("The history of navigation is the story of people learning to read the sea and the sky. "
         "Early sailors steered by the sun, the stars and the shape of the coast. ") * 10

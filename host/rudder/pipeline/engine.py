@@ -31,6 +31,9 @@ class PipelineEngine(Engine):
             self._fail_unfit(unfit, deltas)
             if not batch:
                 break
+            # Nothing else in flight and no other group to launch: the stages will take turns on
+            # this step, so each may use all the cores.
+            self.runner.alone = not self.in_flight and (self.micro_batches == 1 or active <= 1)
             flight = self._launch(batch, deltas)
             if flight is None:
                 break

@@ -22,11 +22,12 @@ from collections import deque
 import numpy as np
 import torch
 
+from .. import SHORT_OMP_SPIN
 from ..engine.llm_engine import RunnerFailure
 from ..engine.model_runner import ScheduledSeq, StepArrays
 from ..engine.sampler import SampleOutput
 from .partition import StageSpec, partition
-from .stage import HEADER, OP_STOP, SPEC_COLS, encode_plan, serve_stage
+from .stage import HEADER, OP_STOP, SPEC_COLS, encode_plan, serve_stage, use_threads
 from .stage_model import StageModel, build_stage_model, load_config_for
 from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, process_group, torchrun_env
 
@@ -45,7 +46,8 @@ class _Step:
 
 class PipelineRunner:
     def __init__(self, model: StageModel, num_blocks: int, block_size: int, link: Link,
-                 children: list[subprocess.Popen] | None = None, threads_before: int | None = None):
+                 children: list[subprocess.Popen] | None = None, threads_before: int | None = None,
+                 threads: int | None = None, shared_threads: int | None = None):
         cfg = model.cfg
         self.model = model
         self.link = link
@@ -63,7 +65,11 @@ class PipelineRunner:
         self._steps = 0
         self._done = -1  # the last step whose tokens came back
         self._threads_before = threads_before
-        self._affinity_before: tuple[int, set[int]] | None = None  # (thread, cores) to restore on close
+        # Torch threads per stage while steps overlap, and for a step that runs alone: then the
+        # stages take turns, so on one machine each may use the cores of all (shared_threads).
+        self.threads = threads or torch.get_num_threads()
+        self.shared_threads = shared_threads or self.threads
+        self.alone = False  # set by the engine before each launch
         self.failure: str | None = None
         self.closed = False
         self._stop_watch = threading.Event()
@@ -84,11 +90,14 @@ class PipelineRunner:
         try:
             self.link.step = step.index
             spec = self._early_spec(step, batch) if step.open else None
-            header, payload = encode_plan(arrays, copies, step.index, self._done, spec)
+            threads = self.shared_threads if self.alone else self.threads
+            header, payload = encode_plan(arrays, copies, step.index, self._done, threads, spec)
             for rank in range(1, self.num_stages):
                 self.link.send(header, rank, PLAN)
                 self.link.send(payload, rank, PLAN)
             self._steps += 1
+            # Rank 0's own workers must yield soon once its part is done (see rudder/__init__.py).
+            use_threads(threads if SHORT_OMP_SPIN else self.threads)
             started = time.perf_counter()
             with torch.inference_mode():
                 for src, dst in copies:
@@ -281,12 +290,6 @@ class PipelineRunner:
             pass
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
-        if self._affinity_before is not None:
-            tid, cpus = self._affinity_before
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:  # that thread is gone
-                pass
 
     def _read_stats(self) -> None:
         store = getattr(self, "store", None)
@@ -333,7 +336,6 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
         return _join_torchrun(spec, stages, plan, env, kv_cache_tokens, block_size, device, timeout)
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     threads_before = torch.get_num_threads()
-    cores = _core_groups(world, threads)
     model = build_stage_model(spec, plan[0], device)
 
     def factory(num_blocks: int, bs: int) -> PipelineRunner:
@@ -343,12 +345,11 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
         store = TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=startup_timeout))
         children = []
-        affinity_before = None
         try:
             for rank in range(1, world):
                 config = {"model": spec, "stages": stages, "rank": rank, "world": world, "host": host,
                           "port": store.port, "num_blocks": num_blocks, "block_size": bs, "threads": threads,
-                          "timeout": timeout, "device": device, "cpus": cores[rank] if cores else None}
+                          "timeout": timeout, "device": device}
                 children.append(subprocess.Popen([sys.executable, "-m", "rudder.pipeline", json.dumps(config)],
                                                  stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + startup_timeout
@@ -359,42 +360,19 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
                 if time.monotonic() > deadline:
                     raise PipelineError(f"pipeline stages did not start within {startup_timeout:g} s")
                 time.sleep(0.05)
-            # Rank 0's thread (and gloo's threads, started from it) on its own cores, before the group starts.
-            affinity_before = _pin(cores[0]) if cores else None
             link = Link(process_group(store, 0, world, timeout, host), timeout)
         except BaseException:
             for child in children:
                 child.kill()
                 child.wait()
-            if affinity_before is not None:
-                _pin(affinity_before)
             raise
         torch.set_num_threads(threads)
-        runner = PipelineRunner(model, num_blocks, bs, link, children, threads_before)
-        runner._affinity_before = (threading.get_native_id(), affinity_before) if cores else None
+        # The local stages share this machine's cores.
+        runner = PipelineRunner(model, num_blocks, bs, link, children, threads_before, threads, threads * world)
         runner.store = store
         return runner
 
     return model, factory
-
-
-def _core_groups(world: int, threads: int) -> list[list[int]] | None:
-    """Disjoint cores for each local stage (`threads` each), when this process may use enough:
-    a stage that stays on its cores keeps its caches, and its gloo thread does not wake up on
-    (and preempt) another stage's core. RUDDER_PIPELINE_PIN=0 turns it off."""
-    if os.environ.get("RUDDER_PIPELINE_PIN", "1") == "0" or not hasattr(os, "sched_getaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < world * threads:
-        return None
-    return [cpus[r * threads:(r + 1) * threads] for r in range(world)]
-
-
-def _pin(cpus) -> set[int]:
-    """Pin the calling thread (and the threads it starts from now on); returns its cores before."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    return before
 
 
 def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, block_size, device, timeout):

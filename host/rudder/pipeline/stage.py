@@ -27,9 +27,10 @@ from .stage_model import StageModel, build_stage_model
 from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, process_group
 
 OP_STOP, OP_STEP = 0, 1
-# op, B, T, table blocks, copies, sample rows, step, the last step whose tokens rank 0 has, and the
-# rows of a sampling spec that came with the plan (0: it follows on the SPEC stream)
-HEADER = 9
+# op, B, T, table blocks, copies, sample rows, step, the last step whose tokens rank 0 has, torch
+# threads for the step, and the rows of a sampling spec that came with the plan (0: it follows on
+# the SPEC stream)
+HEADER = 10
 SPEC_COLS = 7  # row, top_k, logprobs (-1: none), mask index (-1: none), temperature, top_p, uniform
 
 
@@ -43,14 +44,14 @@ class FixedUniform:
         return self.u
 
 
-def encode_plan(arrays: StepArrays, copies: list[tuple[int, int]], step: int, done: int,
+def encode_plan(arrays: StepArrays, copies: list[tuple[int, int]], step: int, done: int, threads: int,
                 spec: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The plan's header and payload; `spec`: the step's sampling spec when it is known at launch
     (float64 rows, carried bit for bit in the int64 payload)."""
     copies_arr = np.asarray(copies, dtype=np.int64).reshape(-1)
     spec_arr = np.zeros(0, dtype=np.int64) if spec is None else np.ascontiguousarray(spec, np.float64).view(np.int64)
     header = np.array([OP_STEP, len(arrays.counts), len(arrays.slot_mapping), arrays.tables.shape[1], len(copies),
-                       len(arrays.sample_rows), step, done, 0 if spec is None else len(spec)], dtype=np.int64)
+                       len(arrays.sample_rows), step, done, threads, 0 if spec is None else len(spec)], dtype=np.int64)
     payload = np.concatenate([arrays.counts, arrays.starts, arrays.slot_mapping, arrays.tables.reshape(-1),
                               copies_arr, arrays.sample_rows, spec_arr.reshape(-1)])
     return torch.from_numpy(header), torch.from_numpy(payload)
@@ -58,7 +59,7 @@ def encode_plan(arrays: StepArrays, copies: list[tuple[int, int]], step: int, do
 
 def decode_plan(header: np.ndarray, payload: np.ndarray):
     """(StepArrays, copies, the spec that came with the plan or None)."""
-    _, B, T, NTB, C, R, _, _, S = (int(v) for v in header)
+    _, B, T, NTB, C, R, _, _, _, S = (int(v) for v in header)
     cuts = np.cumsum([B, B, T, B * NTB, 2 * C, R])
     counts, starts, slots, tables, copies, rows, spec = np.split(payload, cuts)
     arrays = StepArrays(counts, starts, slots, tables.reshape(B, NTB), rows)
@@ -67,8 +68,14 @@ def decode_plan(header: np.ndarray, payload: np.ndarray):
 
 
 def plan_size(header: np.ndarray) -> int:
-    _, B, T, NTB, C, R, _, _, S = (int(v) for v in header)
+    _, B, T, NTB, C, R, _, _, _, S = (int(v) for v in header)
     return 2 * B + T + B * NTB + 2 * C + R + S * SPEC_COLS
+
+
+def use_threads(n: int) -> None:
+    """Torch threads for the next forward pass (a step that runs alone gets every stage's cores)."""
+    if n > 0 and n != torch.get_num_threads():
+        torch.set_num_threads(n)
 
 
 class Stage:
@@ -95,17 +102,18 @@ class Stage:
             arrays, copies, spec = decode_plan(header, payload)
             link.step = int(header[6])
             link.release(int(header[7]))  # rank 0 has those steps' tokens: their sends were all received
+            use_threads(int(header[8]))
             first = first or time.perf_counter()
             busy += self.step(arrays, copies, spec)
 
     @torch.inference_mode()
     def step(self, arrays: StepArrays, copies: list[tuple[int, int]], spec: np.ndarray | None) -> float:
         """Returns the seconds spent computing (not waiting)."""
+        _, positions, meta, sample_rows = arrays.tensors(self.block_size, "cpu")  # while the previous stage computes
         x = self.link.recv((len(arrays.slot_mapping), self.model.cfg.hidden_size), torch.float32, self.rank - 1, ACT)
         started = time.perf_counter()
         for src, dst in copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        _, positions, meta, sample_rows = arrays.tensors(self.block_size, "cpu")
         hidden = self.model(x, positions, meta, self.kv_cache)
         if not self.last:
             busy = time.perf_counter() - started
@@ -191,8 +199,6 @@ def main(argv: list[str]) -> int:
 
     cfg = json.loads(argv[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl-C and stops us
-    if cfg.get("cpus"):  # this stage's own cores (before any thread starts: they inherit them)
-        os.sched_setaffinity(0, cfg["cpus"])
     _watch_parent()
     torch.set_num_threads(cfg["threads"])
     rank = cfg["rank"]
