@@ -1,10 +1,12 @@
 """Single process vs a 2-stage pipeline, at equal total cores, on SmolLM2 (or --model).
 
     .venv/bin/python benchmarks/pipeline.py [--batches 1 4 8] [--micro-batches 1 2 4] [--stages 2]
-                                            [--decode-tokens 32] [--json benchmarks/results/pipeline.json]
+                                            [--layout 18 12] [--rounds 3] [--decode-tokens 32]
+                                            [--json benchmarks/results/pipeline.json]
 
 Single process: one process with all the cores' torch threads. Pipeline: S processes with
-cores/S threads each (rank 0 is also the coordinator). Decode only (the prefill is done first and
+cores/S threads each (rank 0 is also the coordinator); a step that runs alone (M = 1) gives each
+stage all the cores in turn. Decode only (the prefill is done first and
 not timed): B greedy sequences, EOS ignored; tokens/s counts all sequences; ms/step is the median
 time of one engine step for B = 1 (the per-token latency a single request sees). The bubble is
 measured as 1 - (mean over stages of the time spent computing / the decode wall time), next to
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1, help="measure each configuration this many times, interleaved")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.layout:
@@ -102,26 +105,38 @@ def main() -> None:
           f"{args.stages} stages: {args.cores // args.stages} thread(s) each; layout {args.layout or 'even'}")
     print(f"{'batch':>5} {'mode':>16} {'tok/s':>8} {'vs single':>9} {'ms/step':>8} {'bubble':>7} {'formula':>7}  stage busy")
     for batch in args.batches:
-        single = run_single(args.model, batch, args)
-        rows.append({"batch": batch, "mode": "single", **single})
-        print(f"{batch:>5} {'single':>16} {single['tok_s']:>8.1f} {1.0:>9.2f} {single['ms_per_step']:>8.1f}")
+        # The configurations of a batch size are measured `--rounds` times, interleaved (this host
+        # drifts by 10-30 % within minutes); each row is the median over the rounds.
+        configs = [("single", lambda: run_single(args.model, batch, args))]
         if batch == 1:  # one stage's compute budget: the whole model on one stage's threads
-            one = run_single(args.model, batch, args, threads=args.cores // args.stages)
-            rows.append({"batch": batch, "mode": f"single {args.cores // args.stages} thr", **one})
-            print(f"{batch:>5} {f'single {args.cores // args.stages} thr':>16} {one['tok_s']:>8.1f} "
-                  f"{one['tok_s'] / single['tok_s']:>9.2f} {one['ms_per_step']:>8.1f}")
+            configs.append((f"single {args.cores // args.stages} thr",
+                            lambda: run_single(args.model, batch, args, threads=args.cores // args.stages)))
         for micro in args.micro_batches:
-            if micro > batch or (micro == 1 and batch > 1):
-                continue
-            r = run_pipeline(args.model, batch, args.stages, micro, args)
-            rows.append({"batch": batch, "mode": f"{args.stages} stages M={micro}", **r})
-            print(f"{batch:>5} {f'{args.stages} stages M={micro}':>16} {r['tok_s']:>8.1f} "
-                  f"{r['tok_s'] / single['tok_s']:>9.2f} {r['ms_per_step']:>8.1f} {r['bubble']:>7.2f} "
-                  f"{r['bubble_formula']:>7.2f}  {' '.join(f'{f:.2f}' for f in r['stage_busy'])}")
-            if batch == 1 and micro == 1:
-                print(f"      latency overhead per step: {r['ms_per_step'] - single['ms_per_step']:+.1f} ms vs single "
-                      f"({args.cores} thr), {r['ms_per_step'] - one['ms_per_step']:+.1f} ms vs single "
-                      f"({args.cores // args.stages} thr)")
+            if micro <= batch and (micro > 1 or batch == 1):
+                configs.append((f"{args.stages} stages M={micro}",
+                                lambda m=micro: run_pipeline(args.model, batch, args.stages, m, args)))
+        runs = {mode: [] for mode, _ in configs}
+        for _ in range(args.rounds):
+            for mode, measure in configs:
+                runs[mode].append(measure())
+        med = {mode: {k: statistics.median(r[k] for r in rs) for k in ("tok_s", "ms_per_step")}
+               for mode, rs in runs.items()}
+        single = med["single"]
+        for mode, rs in runs.items():
+            m = med[mode]
+            row = {"batch": batch, "mode": mode, **m, "rounds": rs}
+            line = f"{batch:>5} {mode:>16} {m['tok_s']:>8.1f} {m['tok_s'] / single['tok_s']:>9.2f} {m['ms_per_step']:>8.1f}"
+            if "bubble" in rs[0]:
+                row["bubble"] = statistics.median(r["bubble"] for r in rs)
+                busy = [statistics.median(r["stage_busy"][i] for r in rs) for i in range(args.stages)]
+                line += f" {row['bubble']:>7.2f} {rs[0]['bubble_formula']:>7.2f}  {' '.join(f'{f:.2f}' for f in busy)}"
+            rows.append(row)
+            print(line)
+        if f"{args.stages} stages M=1" in med:
+            pipe, one = med[f"{args.stages} stages M=1"], med[f"single {args.cores // args.stages} thr"]
+            print(f"      latency overhead per step: {pipe['ms_per_step'] - single['ms_per_step']:+.1f} ms vs single "
+                  f"({args.cores} thr), {pipe['ms_per_step'] - one['ms_per_step']:+.1f} ms vs single "
+                  f"({args.cores // args.stages} thr)")
     torch.set_num_threads(args.cores)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -118,6 +118,54 @@ def test_cli_generate_with_pipeline_stages():
     assert single.stdout == piped.stdout
 
 
+def test_cli_layout_and_bad_layout():
+    args = ["generate", "-m", MODEL, "-t", "0", "-n", "8", "hello"]
+    single = CliRunner().invoke(app, args)
+    laid_out = CliRunner().invoke(app, args + ["--pipeline-stages", "3,1"])
+    assert laid_out.exit_code == 0 and laid_out.stdout == single.stdout
+    for bad in ("2,x", "0", "3,2"):  # not numbers, no stage, more layers than the model has
+        result = CliRunner().invoke(app, args + ["--pipeline-stages", bad])
+        assert result.exit_code != 0 and "error:" in result.output and "Traceback" not in result.output, bad
+
+
+def _plan_headers(runner):
+    """Record the plan headers rank 0 sends (to stage 1)."""
+    from rudder.pipeline.stage import HEADER
+    from rudder.pipeline.transport import PLAN
+
+    headers, send = [], runner.link.send
+
+    def spy(tensor, dst, tag):
+        if tag == PLAN and dst == 1 and tensor.numel() == HEADER:
+            headers.append(tensor.tolist())
+        send(tensor, dst, tag)
+
+    runner.link.send = spy
+    return headers
+
+
+def test_a_step_alone_gets_every_stages_threads_and_sends_are_released():
+    from rudder import SHORT_OMP_SPIN
+
+    llm = LLM(MODEL, pipeline_stages=2, pipeline_micro_batches=2, pipeline_threads=1, **OPTIONS)
+    try:
+        runner = llm.engine.runner
+        assert (runner.threads, runner.shared_threads) == (1, 2)
+        headers = _plan_headers(runner)
+        llm.generate(PROMPTS[:1], GREEDY)  # one sequence: every step runs alone
+        assert headers and {h[8] for h in headers} == {2}
+        if SHORT_OMP_SPIN:  # rank 0 computes its part with both threads too
+            assert __import__("torch").get_num_threads() == 2
+        headers.clear()
+        llm.generate(PROMPTS, GREEDY)  # two micro-batches in flight: one thread per stage
+        assert {h[8] for h in headers[:8]} == {1}
+        # gloo marks a send done only when waited on: sends are released once their step's tokens
+        # are back, so none of the ~100 sends of these requests is still held.
+        assert len(headers) > 20 and len(runner.link.sends) <= 4
+    finally:
+        llm.close()
+
+
 def test_killing_a_stage_fails_the_run_fast_and_leaves_no_process():
     llm = LLM(MODEL, pipeline_stages=3, **OPTIONS)
     children = [c.pid for c in llm.engine.runner.children]

@@ -135,10 +135,12 @@ def test_the_readme_controller_builds_and_does_what_it_says(tiny, tmp_path):
 
 def test_a_request_can_lower_its_controller_limits_but_not_raise_them(tiny):
     slow = wasm_of(busy_wat())
-    spins = (3_000_000).to_bytes(4, "little")  # a few ms of work per step
+    spins = (300_000).to_bytes(4, "little")  # well under the default 25 ms per step
     [ok] = tiny.generate(["x"], GREEDY, controller=slow, controller_arg=spins)
     assert ok.finish_reason == "length"
-    [cut] = tiny.generate(["x"], GREEDY, controller=slow, controller_arg=spins,
+    # Seconds of work per step: past a lowered limit on any machine (3M spins took under the
+    # lowered deadline's 2-4 ms on a fast one).
+    [cut] = tiny.generate(["x"], GREEDY, controller=slow, controller_arg=(2_000_000_000).to_bytes(4, "little"),
                           controller_limits={"mid_process_ms": 0.5})
     assert cut.finish_reason == "error" and "timeout" in cut.error
     ctl = tiny.start_controller(slow, spins, {"mid_process_ms": 10_000})

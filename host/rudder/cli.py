@@ -28,8 +28,9 @@ SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
 STOP = typer.Option([], "--stop", help="Stop when this text appears (repeatable).")
 MODEL = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP)
 DEVICE = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda.")
-PIPELINE = typer.Option(1, "--pipeline-stages", min=1,
-                        help="Split the model's layers over N processes (torch.distributed; see docs/pipeline.md).")
+PIPELINE = typer.Option("1", "--pipeline-stages",
+                        help="Split the model's layers over N processes (torch.distributed; see docs/pipeline.md), "
+                             "or give the layers of each stage, e.g. 18,12.")
 SPECULATIVE = typer.Option(None, "--speculative",
                            help="Speculative decoding: 'lookup' (n-gram match in the prompt and output) or 'draft' "
                                 "(a draft model); see docs/speculative.md.")
@@ -39,11 +40,19 @@ DRAFT_MODEL = typer.Option("int8", "--draft-model",
                                 "layers), or a checkpoint with the same vocabulary.")
 
 
-def _llm(model: str, device: str, pipeline_stages: int, draft_model: str = "int8"):
+def _llm(model: str, device: str, pipeline_stages: str, draft_model: str = "int8"):
     from .llm import LLM
 
-    return LLM(model, device=device, pipeline_stages=pipeline_stages if pipeline_stages > 1 else None,
-               draft_model=draft_model)
+    return LLM(model, device=device, pipeline_stages=_stages(pipeline_stages), draft_model=draft_model)
+
+
+def _stages(text: str) -> int | list[int] | None:
+    """--pipeline-stages: "N" stages (an even split) or a layout "18,12" (layers per stage)."""
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--pipeline-stages takes a number of stages or layers per stage such as 18,12, got {text!r}")
+    counts = [int(p) for p in parts]
+    return counts if len(counts) > 1 else (counts[0] if counts[0] > 1 else None)
 
 
 def _fail(message: str, log_tail: str = "") -> None:
@@ -129,7 +138,7 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop, speculative=None,
                           seed=seed, stop=stop, speculative=speculative, spec_k=spec_k).validate()
 
 
-def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: int,
+def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: str,
               controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False,
               draft_model: str = "int8") -> None:
     """What `generate` and `run` share: set up, stream, report errors in one line (plus the
@@ -161,7 +170,7 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
 @app.command()
 def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
              top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
-             model: str = MODEL, device: str = DEVICE, pipeline_stages: int = PIPELINE,
+             model: str = MODEL, device: str = DEVICE, pipeline_stages: str = PIPELINE,
              speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
     """Generate text for PROMPT, streamed to standard output."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
@@ -179,7 +188,7 @@ def run(prompt: str = PROMPT,
                                         "max_log_bytes, max_var_bytes); repeatable."),
         chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
         top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
-        device: str = DEVICE, pipeline_stages: int = PIPELINE, speculative: Optional[str] = SPECULATIVE,
+        device: str = DEVICE, pipeline_stages: str = PIPELINE, speculative: Optional[str] = SPECULATIVE,
         spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
