@@ -61,6 +61,14 @@ def test_a_packed_model_computes_what_it_did_and_unpacks():
     assert type(qkv) is nn.Linear and torch.equal(qkv.weight, plain.layers[0].self_attn.qkv_proj.weight)
 
 
+def test_only_the_last_pipeline_stage_gets_a_head():
+    from rudder.pipeline import partition
+    from rudder.pipeline.stage_model import build_stage_model
+
+    first, last = (build_stage_model("tiny:4", stage) for stage in partition(4, 2))
+    assert first.lm_head is None and isinstance(last.lm_head, PackedLinear)
+
+
 def test_other_dtypes_are_left_alone():
     model = build_model(TINY_CONFIG, None).to(torch.float64)
     pack_linears(model)

@@ -61,8 +61,10 @@ def pack_linears(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
-    # A tied head reads the embedding matrix: give it a packed copy of its own.
-    if getattr(model, "lm_head", False) is None and getattr(model, "embed_tokens", None) is not None:
+    # A tied head reads the embedding matrix: give it a packed copy of its own (only where the
+    # logits are computed: a pipeline stage has its final norm only if it is the last).
+    if (getattr(model, "lm_head", False) is None and getattr(model, "embed_tokens", None) is not None
+            and getattr(model, "norm", None) is not None):
         model.lm_head = PackedLinear(model.embed_tokens.weight)
     return model
 
