@@ -62,21 +62,17 @@ class Link:
             raise LinkError(f"lost rank {src}: {_short(e)}") from e
         return out
 
-    def release(self, through_step: int) -> None:
+    def release(self, through_step: float) -> None:
         """Forget the sends of steps up to `through_step`, whose tokens the coordinator has."""
         while self.sends and self.sends[0][0] <= through_step:
-            self._wait(self.sends.popleft()[1])
+            try:
+                self.sends.popleft()[1].wait(self.timeout)
+            except RuntimeError as e:
+                raise LinkError(f"send failed: {_short(e)}") from e
 
     def flush(self) -> None:
         """Wait for every send so far to be received."""
-        while self.sends:
-            self._wait(self.sends.popleft()[1])
-
-    def _wait(self, work) -> None:
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise LinkError(f"send failed: {_short(e)}") from e
+        self.release(float("inf"))
 
 
 def _short(e: BaseException) -> str:
