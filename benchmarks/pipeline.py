@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/pipeline.py [--batches 1 4 8] [--micro-batches 1 2 4] [--stages 2]
                                             [--layout 18 12] [--rounds 3] [--decode-tokens 32]
+                                            [--latency-pairs 12] [--latency-burst 16]
                                             [--json benchmarks/results/pipeline.json]
 
 Single process: one process with all the cores' torch threads. Pipeline: S processes with
@@ -11,6 +12,12 @@ not timed): B greedy sequences, EOS ignored; tokens/s counts all sequences; ms/s
 time of one engine step for B = 1 (the per-token latency a single request sees). The bubble is
 measured as 1 - (mean over stages of the time spent computing / the decode wall time), next to
 the GPipe formula (S-1)/(S-1+M).
+
+The latency overhead of one request (M = 1) is measured apart, paired: the single-process engine
+and the pipeline are both kept up and take turns decoding short bursts of one request
+(`--latency-pairs` bursts each, ABBA order). This host's speed drifts by 10-30 % within minutes,
+far more than the overhead, so only differences between neighbouring bursts are compared; the
+table gives their median and a bootstrap 95 % interval of it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -85,10 +93,38 @@ def run_pipeline(model: str, batch: int, stages: int, micro: int, args) -> dict:
     return out
 
 
+def paired_latency(args) -> dict:
+    """Per-token latency of one request: single process (all cores) vs the pipeline, in alternating
+    bursts of `--latency-burst` decode steps; returns the medians and the paired differences."""
+    kv = args.prompt_tokens + args.latency_burst + 64
+    single = LLM(args.model, kv_cache_tokens=kv, max_seqs=1)
+    pipe = LLM(args.model, pipeline_stages=args.layout or args.stages, pipeline_micro_batches=1,
+               pipeline_threads=args.cores // args.stages, kv_cache_tokens=kv, max_seqs=1)
+    times: dict[str, list[float]] = {"single": [], "pipeline": []}
+    try:
+        def burst(name: str) -> float:
+            torch.set_num_threads(args.cores)  # the pipeline's rank 0 changes it per step
+            return decode(single if name == "single" else pipe, 1, args.prompt_tokens, args.latency_burst)["ms_per_step"]
+
+        burst("single"), burst("pipeline")  # warm up
+        for i in range(args.latency_pairs):
+            for name in (("single", "pipeline") if i % 2 == 0 else ("pipeline", "single")):
+                times[name].append(burst(name))
+    finally:
+        pipe.close()
+        torch.set_num_threads(args.cores)
+    diffs = [p - s for s, p in zip(times["single"], times["pipeline"])]
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+    return {"single_ms": statistics.median(times["single"]), "pipeline_ms": statistics.median(times["pipeline"]),
+            "overhead_ms": statistics.median(diffs), "overhead_ci95": [boot[50], boot[1949]], "pairs": len(diffs),
+            "burst_steps": args.latency_burst, "single_bursts": times["single"], "pipeline_bursts": times["pipeline"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 128])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--layout", type=int, nargs="+", help="layers per stage (default: an even split)")
@@ -96,6 +132,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1, help="measure each configuration this many times, interleaved")
+    ap.add_argument("--latency-pairs", type=int, default=12,
+                    help="bursts each for the paired latency measurement (0: skip it)")
+    ap.add_argument("--latency-burst", type=int, default=16, help="decode steps per latency burst")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.layout:
@@ -138,10 +177,17 @@ def main() -> None:
                   f"({args.cores} thr), {pipe['ms_per_step'] - one['ms_per_step']:+.1f} ms vs single "
                   f"({args.cores // args.stages} thr)")
     torch.set_num_threads(args.cores)
+    latency = None
+    if args.latency_pairs:
+        latency = paired_latency(args)
+        lo, hi = latency["overhead_ci95"]
+        print(f"\none request, paired ({latency['pairs']} bursts of {args.latency_burst} steps each way): "
+              f"single {latency['single_ms']:.1f} ms/step, {args.stages} stages {latency['pipeline_ms']:.1f} ms/step; "
+              f"overhead {latency['overhead_ms']:+.2f} ms/step (95 % CI {lo:+.2f} .. {hi:+.2f})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": args.model, "cores": args.cores, "stages": args.stages,
-                                         "rows": rows}, indent=2))
+                                         "rows": rows, "latency": latency}, indent=2))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,28 @@ def test_partition_even_explicit_and_invalid():
             partition(4, bad)
 
 
+@pytest.mark.parametrize("batch", [1, 40])
+def test_plan_round_trip_in_one_message_or_two(batch):
+    from rudder.engine.model_runner import StepArrays
+    from rudder.pipeline.stage import HEADER, INLINE, PLAN_WORDS, decode_plan, encode_plan, plan_size
+
+    rng = np.random.default_rng(batch)
+    counts = rng.integers(1, 4, batch)
+    arrays = StepArrays(counts, rng.integers(0, 50, batch), rng.integers(0, 999, int(counts.sum())),
+                        rng.integers(0, 60, (batch, 5)), np.cumsum(counts) - 1)
+    spec = rng.random((batch, 7))
+    message, payload = encode_plan(arrays, [(3, 4)], step=9, done=7, threads=2, spec=spec)
+    assert message.numel() == PLAN_WORDS and message[6] == 9 and message[7] == 7 and message[8] == 2
+    size = plan_size(message.numpy())
+    # A decode step of one sequence travels as one message; 40 sequences need a second.
+    assert (payload is None) == (batch == 1) and (size <= INLINE) == (batch == 1)
+    body = message.numpy()[HEADER:HEADER + size] if payload is None else payload.numpy()
+    got, copies, got_spec = decode_plan(message.numpy()[:HEADER], body)
+    for name in ("counts", "starts", "slot_mapping", "tables", "sample_rows"):
+        assert np.array_equal(getattr(got, name), getattr(arrays, name)), name
+    assert copies == [(3, 4)] and np.array_equal(got_spec, spec)
+
+
 def test_greedy_batch_matches_single_process(single, piped):
     assert tokens(piped.generate(PROMPTS, GREEDY)) == tokens(single.generate(PROMPTS, GREEDY))
 
@@ -130,13 +152,13 @@ def test_cli_layout_and_bad_layout():
 
 def _plan_headers(runner):
     """Record the plan headers rank 0 sends (to stage 1)."""
-    from rudder.pipeline.stage import HEADER
+    from rudder.pipeline.stage import PLAN_WORDS
     from rudder.pipeline.transport import PLAN
 
     headers, send = [], runner.link.send
 
     def spy(tensor, dst, tag):
-        if tag == PLAN and dst == 1 and tensor.numel() == HEADER:
+        if tag == PLAN and dst == 1 and tensor.numel() == PLAN_WORDS:
             headers.append(tensor.tolist())
         send(tensor, dst, tag)
 

@@ -27,9 +27,9 @@ from ..engine.llm_engine import RunnerFailure
 from ..engine.model_runner import ScheduledSeq, StepArrays
 from ..engine.sampler import SampleOutput
 from .partition import StageSpec, partition
-from .stage import HEADER, OP_STOP, SPEC_COLS, encode_plan, serve_stage, use_threads
+from .stage import SPEC_COLS, encode_plan, serve_stage, stop_message, use_threads
 from .stage_model import StageModel, build_stage_model, load_config_for
-from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, process_group, torchrun_env
+from .transport import ACT, PLAN, SPEC, TOKENS, LinkError, connect, rank_device, torchrun_env
 
 
 class PipelineError(RunnerFailure):
@@ -56,7 +56,7 @@ class PipelineRunner:
         self.last = self.num_stages - 1
         self.num_words = (cfg.vocab_size + 31) // 32
         self.kv_cache = torch.zeros(model.stage.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=torch.float32)
+                                    dtype=torch.float32, device=model.rope_cos.device)
         self.children = children or []
         self._copies: list[tuple[int, int]] = []
         self._open: deque[_Step] = deque()  # steps with rows: a spec still to send or tokens to take
@@ -91,10 +91,8 @@ class PipelineRunner:
             self.link.step = step.index
             spec = self._early_spec(step, batch) if step.open else None
             threads = self.shared_threads if self.alone else self.threads
-            header, payload = encode_plan(arrays, copies, step.index, self._done, threads, spec)
-            for rank in range(1, self.num_stages):
-                self.link.send(header, rank, PLAN)
-                self.link.send(payload, rank, PLAN)
+            message, payload = encode_plan(arrays, copies, step.index, self._done, threads, spec)
+            self._send_plan(message, payload)
             self._steps += 1
             # Rank 0's own workers must yield soon once its part is done (see rudder/__init__.py).
             use_threads(threads if SHORT_OMP_SPIN else self.threads)
@@ -111,6 +109,12 @@ class PipelineRunner:
         if step.open:
             self._open.append(step)
         return step
+
+    def _send_plan(self, message, payload) -> None:
+        for rank in range(1, self.num_stages):
+            self.link.send(message, rank, PLAN)
+            if payload is not None:
+                self.link.send(payload, rank, PLAN)
 
     def _early_spec(self, step: _Step, batch: list[ScheduledSeq]) -> np.ndarray | None:
         """A step none of whose sampling rows has a controller samples every row, unmasked, with
@@ -267,8 +271,7 @@ class PipelineRunner:
         self._stop_watch.set()
         if graceful and self.failure is None:
             try:
-                stop = torch.zeros(HEADER, dtype=torch.int64)
-                stop[0] = OP_STOP
+                stop = stop_message()
                 while self._open:
                     self.skip(self._open[0])
                 for rank in range(1, self.num_stages):
@@ -336,7 +339,12 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
         return _join_torchrun(spec, stages, plan, env, kv_cache_tokens, block_size, device, timeout)
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     threads_before = torch.get_num_threads()
-    model = build_stage_model(spec, plan[0], device)
+    dev = rank_device(device, 0)
+    for rank in range(1, world):
+        rank_device(device, rank)  # every local stage has its GPU (fail here, not in a child)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    model = build_stage_model(spec, plan[0], dev)
 
     def factory(num_blocks: int, bs: int) -> PipelineRunner:
         from torch.distributed import TCPStore
@@ -360,7 +368,7 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
                 if time.monotonic() > deadline:
                     raise PipelineError(f"pipeline stages did not start within {startup_timeout:g} s")
                 time.sleep(0.05)
-            link = Link(process_group(store, 0, world, timeout, host), timeout)
+            link = connect(store, 0, world, timeout, dev, host)
         except BaseException:
             for child in children:
                 child.kill()
@@ -383,16 +391,19 @@ def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, bl
         raise ValueError(f"torchrun started {world} processes for {len(plan)} pipeline stages")
     store, _, _ = next(dist.rendezvous("env://", rank, world))
     num_blocks = max(1, kv_cache_tokens // block_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if rank != 0:
         try:
-            serve_stage(spec, stages, rank, world, num_blocks, block_size, store, timeout=timeout, device=device)
+            serve_stage(spec, stages, rank, world, num_blocks, block_size, store, timeout=timeout, device=device,
+                        local_rank=local_rank)
         except LinkError as e:
             print(f"rudder pipeline stage {rank}: {e}; exiting", file=sys.stderr)
             raise SystemExit(1)
         raise SystemExit(0)
-    model = build_stage_model(spec, plan[0], device)
+    dev = rank_device(device, local_rank)
+    model = build_stage_model(spec, plan[0], dev)
 
     def factory(nb: int, bs: int) -> PipelineRunner:
-        return PipelineRunner(model, nb, bs, Link(process_group(store, 0, world, timeout), timeout))
+        return PipelineRunner(model, nb, bs, connect(store, 0, world, timeout, dev))
 
     return model, factory

@@ -24,13 +24,18 @@ from ..engine.sampler import Sampler
 from ..engine.sequence import SamplingParams
 from .partition import partition
 from .stage_model import StageModel, build_stage_model
-from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, process_group
+from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, connect, rank_device
 
 OP_STOP, OP_STEP = 0, 1
 # op, B, T, table blocks, copies, sample rows, step, the last step whose tokens rank 0 has, torch
 # threads for the step, and the rows of a sampling spec that came with the plan (0: it follows on
 # the SPEC stream)
 HEADER = 10
+# A plan message is the header plus up to this many payload words, so a small step (a few
+# sequences decoding) is one message: every message on the step's path costs a wake-up of the
+# receiving process. A larger payload follows as a second message.
+INLINE = 118
+PLAN_WORDS = HEADER + INLINE
 SPEC_COLS = 7  # row, top_k, logprobs (-1: none), mask index (-1: none), temperature, top_p, uniform
 
 
@@ -45,16 +50,28 @@ class FixedUniform:
 
 
 def encode_plan(arrays: StepArrays, copies: list[tuple[int, int]], step: int, done: int, threads: int,
-                spec: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan's header and payload; `spec`: the step's sampling spec when it is known at launch
-    (float64 rows, carried bit for bit in the int64 payload)."""
+                spec: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The plan message (header and, when it fits, the payload) and the payload message when it
+    does not fit; `spec`: the step's sampling spec when it is known at launch (float64 rows,
+    carried bit for bit in the int64 payload)."""
     copies_arr = np.asarray(copies, dtype=np.int64).reshape(-1)
     spec_arr = np.zeros(0, dtype=np.int64) if spec is None else np.ascontiguousarray(spec, np.float64).view(np.int64)
-    header = np.array([OP_STEP, len(arrays.counts), len(arrays.slot_mapping), arrays.tables.shape[1], len(copies),
-                       len(arrays.sample_rows), step, done, threads, 0 if spec is None else len(spec)], dtype=np.int64)
+    header = [OP_STEP, len(arrays.counts), len(arrays.slot_mapping), arrays.tables.shape[1], len(copies),
+              len(arrays.sample_rows), step, done, threads, 0 if spec is None else len(spec)]
     payload = np.concatenate([arrays.counts, arrays.starts, arrays.slot_mapping, arrays.tables.reshape(-1),
                               copies_arr, arrays.sample_rows, spec_arr.reshape(-1)])
-    return torch.from_numpy(header), torch.from_numpy(payload)
+    message = np.zeros(PLAN_WORDS, dtype=np.int64)
+    message[:HEADER] = header
+    if len(payload) <= INLINE:
+        message[HEADER:HEADER + len(payload)] = payload
+        return torch.from_numpy(message), None
+    return torch.from_numpy(message), torch.from_numpy(payload)
+
+
+def stop_message() -> torch.Tensor:
+    message = torch.zeros(PLAN_WORDS, dtype=torch.int64)
+    message[0] = OP_STOP
+    return message
 
 
 def decode_plan(header: np.ndarray, payload: np.ndarray):
@@ -68,7 +85,7 @@ def decode_plan(header: np.ndarray, payload: np.ndarray):
 
 
 def plan_size(header: np.ndarray) -> int:
-    _, B, T, NTB, C, R, _, _, _, S = (int(v) for v in header)
+    _, B, T, NTB, C, R, _, _, _, S = (int(v) for v in header[:HEADER])
     return 2 * B + T + B * NTB + 2 * C + R + S * SPEC_COLS
 
 
@@ -83,8 +100,9 @@ class Stage:
         cfg = model.cfg
         self.model, self.link, self.block_size = model, link, block_size
         self.rank, self.last = model.stage.index, model.stage.is_last
+        self.device = model.rope_cos.device
         self.kv_cache = torch.zeros(model.stage.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=torch.float32)
+                                    dtype=torch.float32, device=self.device)
         self.sampler = Sampler(cfg.vocab_size) if self.last else None
         self.num_words = (cfg.vocab_size + 31) // 32
 
@@ -92,13 +110,15 @@ class Stage:
         link = self.link
         busy, first = 0.0, None
         while True:
-            header = link.recv(HEADER, torch.int64, 0, PLAN, forever=True).numpy()
+            message = link.recv(PLAN_WORDS, torch.int64, 0, PLAN, forever=True).numpy()
+            header, size = message[:HEADER], plan_size(message)
             if header[0] == OP_STOP:
                 link.flush()
                 if store is not None and first is not None:  # for the bubble measurement
                     store.set(f"stats/{self.rank}", json.dumps({"busy_s": busy, "wall_s": time.perf_counter() - first}))
                 return
-            payload = link.recv(plan_size(header), torch.int64, 0, PLAN).numpy()
+            payload = (message[HEADER:HEADER + size] if size <= INLINE
+                       else link.recv(size, torch.int64, 0, PLAN).numpy())
             arrays, copies, spec = decode_plan(header, payload)
             link.step = int(header[6])
             link.release(int(header[7]))  # rank 0 has those steps' tokens: their sends were all received
@@ -109,7 +129,7 @@ class Stage:
     @torch.inference_mode()
     def step(self, arrays: StepArrays, copies: list[tuple[int, int]], spec: np.ndarray | None) -> float:
         """Returns the seconds spent computing (not waiting)."""
-        _, positions, meta, sample_rows = arrays.tensors(self.block_size, "cpu")  # while the previous stage computes
+        _, positions, meta, sample_rows = arrays.tensors(self.block_size, self.device)  # while the previous stage computes
         x = self.link.recv((len(arrays.slot_mapping), self.model.cfg.hidden_size), torch.float32, self.rank - 1, ACT)
         started = time.perf_counter()
         for src, dst in copies:
@@ -143,7 +163,7 @@ class Stage:
                   for k, lp, t, p in zip(spec[:, 1], spec[:, 2], spec[:, 4], spec[:, 5])]
         row_masks = [None if m < 0 else masks[int(m)] for m in spec[:, 3]]
         if rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(rows))
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         out = self.sampler.sample(logits, params, [FixedUniform(float(u)) for u in spec[:, 6]], row_masks)
         link.send(torch.tensor(out.tokens, dtype=torch.int32), 0, TOKENS)
         extra = []
@@ -176,15 +196,17 @@ def _watch_parent() -> None:
 
 
 def serve_stage(spec: str, stages, rank: int, world: int, num_blocks: int, block_size: int, store, *,
-                timeout: float, host: str | None = None, device: str = "cpu", ready_key: str | None = None) -> None:
+                timeout: float, host: str | None = None, device: str = "cpu", local_rank: int | None = None,
+                ready_key: str | None = None) -> None:
     """Build this rank's stage, join the group and serve steps until told to stop."""
     plan = partition(_num_layers(spec), stages)
     if len(plan) != world:
         raise ValueError(f"{len(plan)} pipeline stages but {world} ranks")
-    model = build_stage_model(spec, plan[rank], device)
+    dev = rank_device(device, rank if local_rank is None else local_rank)
+    model = build_stage_model(spec, plan[rank], dev)
     if ready_key:
         store.set(ready_key, "1")
-    link = Link(process_group(store, rank, world, timeout, host), timeout)
+    link = connect(store, rank, world, timeout, dev, host)
     Stage(model, num_blocks, block_size, link).serve(store)
 
 

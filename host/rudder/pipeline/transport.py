@@ -1,7 +1,14 @@
-"""Point-to-point messages between pipeline ranks over a torch.distributed gloo process group.
+"""Point-to-point messages between pipeline ranks over torch.distributed process groups.
 
-Every wait has a deadline: a peer that died closes its connections (gloo reports it at once),
-and one that hangs is caught by the timeout. Either way the caller gets a `LinkError`."""
+The control messages (plans, sampling specs, token ids: a few hundred bytes of host memory) go
+over gloo. The activations go over the data group: the same gloo group on CPU, NCCL between GPUs
+(device memory to device memory, no copy through the host).
+
+Every gloo wait has a deadline: a peer that died closes its connections (gloo reports it at
+once), and one that hangs is caught by the timeout. Either way the caller gets a `LinkError`.
+NCCL waits order the GPU stream rather than block the host; a hung NCCL transfer is caught by
+NCCL's own watchdog after the same timeout, which ends that process (and the coordinator's
+watchdog then fails the pipeline)."""
 
 from __future__ import annotations
 
@@ -32,6 +39,40 @@ def process_group(store: dist.Store, rank: int, world: int, timeout: float, host
     return dist.ProcessGroupGloo(dist.PrefixStore("rudder-pipeline", store), rank, world, opts)
 
 
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """The device of the rank that is `local_rank` on its host: "cpu" for every rank; "cuda"
+    (or "cuda:N") gives each rank a GPU of its own (N + local_rank), as NCCL needs."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"pipeline stages run on cpu or cuda, not {device!r}")
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise ValueError(f"--device {device}: CUDA with NCCL is not available in this torch build")
+    index = (dev.index or 0) + local_rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"pipeline rank {local_rank} needs GPU {index}, but this host has "
+                         f"{torch.cuda.device_count()} (each stage takes a GPU of its own)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def data_group(store: dist.Store, rank: int, world: int, timeout: float, device: torch.device):
+    """The NCCL group for activations between GPUs; None on CPU (they share the gloo group)."""
+    if device.type != "cuda":
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("rudder-pipeline-nccl", store), rank, world, opts)
+
+
+def connect(store: dist.Store, rank: int, world: int, timeout: float, device: torch.device,
+            host: str | None = None) -> "Link":
+    """This rank's link: the gloo group, plus the NCCL group on GPUs."""
+    return Link(process_group(store, rank, world, timeout, host), timeout,
+                data_group(store, rank, world, timeout, device), device)
+
+
 class Link:
     """Sends and receives of one rank. Sends never block; each keeps its tensor alive until it is
     released. gloo only marks a send complete when it is waited on, so sends are released by
@@ -39,23 +80,28 @@ class Link:
     before it was received (a stage takes a step's messages before the next stage can finish
     it), and waiting on those sends returns at once."""
 
-    def __init__(self, group, timeout: float):
+    def __init__(self, group, timeout: float, data=None, device: torch.device | str = "cpu"):
         self.group = group
+        self.data = data  # the activations' group when it is not `group` (NCCL)
+        self.device = torch.device(device)  # where received activations are put
         self.timeout = datetime.timedelta(seconds=timeout)
         self.step = 0  # the step the next sends belong to
         self.sends: deque[tuple[int, object, torch.Tensor]] = deque()  # (step, work, tensor), in step order
 
+    def _group(self, tag: int):
+        return self.data if tag == ACT and self.data is not None else self.group
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
         try:
-            self.sends.append((self.step, self.group.send([tensor], dst, tag), tensor))
+            self.sends.append((self.step, self._group(tag).send([tensor], dst, tag), tensor))
         except RuntimeError as e:
             raise LinkError(f"send to rank {dst} failed: {_short(e)}") from e
 
     def recv(self, shape, dtype: torch.dtype, src: int, tag: int, forever: bool = False) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device if tag == ACT else "cpu")
         try:
-            self.group.recv([out], src, tag).wait(FOREVER if forever else self.timeout)
+            self._group(tag).recv([out], src, tag).wait(FOREVER if forever else self.timeout)
         except RuntimeError as e:
             if "Timed out" in str(e):
                 raise LinkError(f"timed out after {self.timeout.total_seconds():g} s waiting for rank {src}") from e
