@@ -150,6 +150,21 @@ def test_cli_layout_and_bad_layout():
         assert result.exit_code != 0 and "error:" in result.output and "Traceback" not in result.output, bad
 
 
+def test_the_same_command_runs_under_torchrun():
+    """Every rank runs the same command; rank 0 prints the answer, the others serve their stage."""
+    import subprocess
+    import sys
+
+    args = ["generate", "-m", MODEL, "-t", "0", "-n", "8", "hello"]
+    single = CliRunner().invoke(app, args)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "rudder.cli", *args, "--pipeline-stages", "2"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert single.exit_code == 0 and run.stdout == single.stdout
+
+
 def _plan_headers(runner):
     """Record the plan headers rank 0 sends (to stage 1)."""
     from rudder.pipeline.stage import PLAN_WORDS
