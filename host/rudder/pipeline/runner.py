@@ -29,7 +29,7 @@ from ..engine.sampler import SampleOutput
 from .partition import StageSpec, partition
 from .stage import SPEC_COLS, encode_plan, serve_stage, stop_message, use_threads
 from .stage_model import StageModel, build_stage_model, load_config_for
-from .transport import ACT, PLAN, SPEC, TOKENS, LinkError, connect, rank_device, torchrun_env
+from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, connect, rank_device, torchrun_env
 
 
 class PipelineError(RunnerFailure):
@@ -342,8 +342,6 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
     dev = rank_device(device, 0)
     for rank in range(1, world):
         rank_device(device, rank)  # every local stage has its GPU (fail here, not in a child)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
     model = build_stage_model(spec, plan[0], dev)
 
     def factory(num_blocks: int, bs: int) -> PipelineRunner:

@@ -53,7 +53,6 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ValueError(f"pipeline rank {local_rank} needs GPU {index}, but this host has "
                          f"{torch.cuda.device_count()} (each stage takes a GPU of its own)")
-    torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
@@ -61,6 +60,7 @@ def data_group(store: dist.Store, rank: int, world: int, timeout: float, device:
     """The NCCL group for activations between GPUs; None on CPU (they share the gloo group)."""
     if device.type != "cuda":
         return None
+    torch.cuda.set_device(device)  # NCCL's communicators use the current device
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=timeout)
     return dist.ProcessGroupNCCL(dist.PrefixStore("rudder-pipeline-nccl", store), rank, world, opts)
