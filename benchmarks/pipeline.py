@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/pipeline.py [--batches 1 4 8] [--micro-batches 1 2 4] [--stages 2]
                                             [--layout 18 12] [--rounds 3] [--decode-tokens 32]
                                             [--latency-pairs 12] [--latency-burst 16]
+                                            [--latency-temperatures 0 0.8]
                                             [--json benchmarks/results/pipeline.json]
 
 Single process: one process with all the cores' torch threads. Pipeline: S processes with
@@ -17,7 +18,8 @@ The latency overhead of one request (M = 1) is measured apart, paired: the singl
 and the pipeline are both kept up and take turns decoding short bursts of one request
 (`--latency-pairs` bursts each, ABBA order). This host's speed drifts by 10-30 % within minutes,
 far more than the overhead, so only differences between neighbouring bursts are compared; the
-table gives their median and a bootstrap 95 % interval of it.
+table gives their median and a bootstrap 95 % interval of it. It is measured for a greedy request
+and for a sampled one (temperature 0.8, top-p 0.95, seeded), whose last stage does more work.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ TEXT = ("The history of navigation is the story of people learning to read the s
         "Early sailors steered by the sun, the stars and the shape of the coast. ") * 10
 
 
-def decode(llm: LLM, batch: int, prompt_tokens: int, decode_tokens: int) -> dict:
+def decode(llm: LLM, batch: int, prompt_tokens: int, decode_tokens: int, temperature: float = 0.0) -> dict:
     engine = llm.engine
     ids = llm.tokenizer.encode(TEXT)
-    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=temperature, top_p=0.95, seed=1, ignore_eos=True)
     span = len(ids) - prompt_tokens
     reqs = [engine.add_request(ids[(i * 5) % span: (i * 5) % span + prompt_tokens], params) for i in range(batch)]
     while not all(r.seqs[0].num_output >= 1 for r in reqs):  # prefill, untimed
@@ -93,7 +95,7 @@ def run_pipeline(model: str, batch: int, stages: int, micro: int, args) -> dict:
     return out
 
 
-def paired_latency(args) -> dict:
+def paired_latency(args, temperature: float) -> dict:
     """Per-token latency of one request: single process (all cores) vs the pipeline, in alternating
     bursts of `--latency-burst` decode steps; returns the medians and the paired differences."""
     kv = args.prompt_tokens + args.latency_burst + 64
@@ -104,7 +106,8 @@ def paired_latency(args) -> dict:
     try:
         def burst(name: str) -> float:
             torch.set_num_threads(args.cores)  # the pipeline's rank 0 changes it per step
-            return decode(single if name == "single" else pipe, 1, args.prompt_tokens, args.latency_burst)["ms_per_step"]
+            return decode(single if name == "single" else pipe, 1, args.prompt_tokens, args.latency_burst,
+                          temperature)["ms_per_step"]
 
         burst("single"), burst("pipeline")  # warm up
         for i in range(args.latency_pairs):
@@ -118,6 +121,7 @@ def paired_latency(args) -> dict:
     boot = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
     return {"single_ms": statistics.median(times["single"]), "pipeline_ms": statistics.median(times["pipeline"]),
             "overhead_ms": statistics.median(diffs), "overhead_ci95": [boot[50], boot[1949]], "pairs": len(diffs),
+            "temperature": temperature,
             "burst_steps": args.latency_burst, "single_bursts": times["single"], "pipeline_bursts": times["pipeline"]}
 
 
@@ -135,6 +139,8 @@ def main() -> None:
     ap.add_argument("--latency-pairs", type=int, default=12,
                     help="bursts each for the paired latency measurement (0: skip it)")
     ap.add_argument("--latency-burst", type=int, default=16, help="decode steps per latency burst")
+    ap.add_argument("--latency-temperatures", type=float, nargs="+", default=[0.0, 0.8],
+                    help="the request's temperature in the latency measurement (0: greedy; > 0: seeded top-p 0.95)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.layout:
@@ -177,13 +183,15 @@ def main() -> None:
                   f"({args.cores} thr), {pipe['ms_per_step'] - one['ms_per_step']:+.1f} ms vs single "
                   f"({args.cores // args.stages} thr)")
     torch.set_num_threads(args.cores)
-    latency = None
-    if args.latency_pairs:
-        latency = paired_latency(args)
-        lo, hi = latency["overhead_ci95"]
-        print(f"\none request, paired ({latency['pairs']} bursts of {args.latency_burst} steps each way): "
-              f"single {latency['single_ms']:.1f} ms/step, {args.stages} stages {latency['pipeline_ms']:.1f} ms/step; "
-              f"overhead {latency['overhead_ms']:+.2f} ms/step (95 % CI {lo:+.2f} .. {hi:+.2f})")
+    latency = []
+    for temperature in args.latency_temperatures if args.latency_pairs else []:
+        run = paired_latency(args, temperature)
+        latency.append(run)
+        lo, hi = run["overhead_ci95"]
+        kind = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+        print(f"\none request, {kind}, paired ({run['pairs']} bursts of {args.latency_burst} steps each way): "
+              f"single {run['single_ms']:.1f} ms/step, {args.stages} stages {run['pipeline_ms']:.1f} ms/step; "
+              f"overhead {run['overhead_ms']:+.2f} ms/step (95 % CI {lo:+.2f} .. {hi:+.2f})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": args.model, "cores": args.cores, "stages": args.stages,

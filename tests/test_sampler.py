@@ -140,3 +140,17 @@ def test_native_mask_kernel_equals_the_numpy_path(seed, vocab):
     allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].astype(bool)
     assert torch.isneginf(fast[0]).numpy().tolist() == (~allowed).tolist()
     assert torch.equal(fast[1], logits[1])
+
+
+def test_greedy_rows_take_the_argmax_and_draw_nothing():
+    gen = np.random.default_rng(3)
+    logits = torch.from_numpy(gen.normal(0, 1, (3, V + 24)).astype(np.float32))  # padded past the vocabulary
+    logits[1, V + 5] = 100.0  # a padding column never wins
+    want = logits[:, :V].argmax(dim=-1).tolist()
+    greedy = [SamplingParams(temperature=0)] * 3
+    for masks in (None, [None] * 3):  # unconstrained: no mask list, or one of Nones
+        generators = rngs([5, 6, 7])
+        assert Sampler(V).sample(logits.clone(), greedy, generators, masks).tokens == want
+        assert generators[0].random() == np.random.default_rng(5).random()  # greedy consumes no uniform
+    mixed = greedy[:2] + [SamplingParams(temperature=1.0)]  # a sampled row in the batch: the general path
+    assert Sampler(V).sample(logits.clone(), mixed, rngs([0, 1, 2])).tokens[:2] == want[:2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,45 +41,47 @@ class StepArrays:
 
     @classmethod
     def of(cls, batch: list[ScheduledSeq]) -> "StepArrays":
-        counts = np.array([e.num_tokens for e in batch], dtype=np.int64)
-        starts = np.array([e.seq.num_cached for e in batch], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        num_table_blocks = int(max(len(e.block_table) for e in batch))
-        input_ids = np.concatenate([e.seq.token_ids[s:s + n] for e, s, n in zip(batch, starts, counts)]).astype(np.int64)
-        slot_mapping = np.concatenate([e.slots for e in batch]).astype(np.int64)
-        tables = np.zeros((len(batch), num_table_blocks), dtype=np.int64)
-        for b, e in enumerate(batch):
-            tables[b, : len(e.block_table)] = e.block_table
-        sample_rows = np.array([r for e, o, n in zip(batch, offsets, counts) if e.sample
-                                for r in range(o + n - e.logit_rows, o + n)], dtype=np.int64)
-        return cls(counts, starts, slot_mapping, tables, sample_rows, input_ids)
+        counts = [e.num_tokens for e in batch]
+        starts = [e.seq.num_cached for e in batch]
+        width = max(len(e.block_table) for e in batch)
+        input_ids = [t for e, s, n in zip(batch, starts, counts) for t in e.seq.token_ids[s:s + n]]
+        tables = [e.block_table + [0] * (width - len(e.block_table)) for e in batch]
+        ends = itertools.accumulate(counts)
+        sample_rows = [r for e, end in zip(batch, ends) if e.sample for r in range(end - e.logit_rows, end)]
+        arr = np.array
+        return cls(arr(counts, np.int64), arr(starts, np.int64), arr([x for e in batch for x in e.slots], np.int64),
+                   arr(tables, np.int64), arr(sample_rows, np.int64), arr(input_ids, np.int64))
 
     def tensors(self, block_size: int, device) -> tuple[torch.Tensor | None, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, attention metadata, sample_rows) on `device`."""
         counts, starts, tables = self.counts, self.starts, self.tables
-        B, T, Q = len(counts), int(counts.sum()), int(counts.max())
-        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
-        i = np.arange(Q)[None, :]
-        valid = i < counts[:, None]  # [B, Q]
-        query_pos = np.where(valid, starts[:, None] + i, 0)  # padded queries see key 0 only (no NaN rows)
-        query_gather = np.where(valid, offsets[:, None] + i, T).reshape(-1)
-        query_scatter = (np.arange(B)[:, None] * Q + i)[valid]
+        B, T = len(counts), len(self.slot_mapping)
         key_pos = np.arange(tables.shape[1] * block_size)
-        attn_mask = key_pos[None, None, None, :] <= query_pos[:, None, :, None]
+        if T == B:  # one new token per sequence (decode): no padding, query i is row i
+            Q, positions = 1, starts
+            query_gather = query_scatter = np.arange(B)
+            attn_mask = (key_pos[None, :] <= starts[:, None])[:, None, None, :]
+        else:
+            Q = int(counts.max())
+            offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
+            i = np.arange(Q)[None, :]
+            valid = i < counts[:, None]  # [B, Q]
+            query_pos = np.where(valid, starts[:, None] + i, 0)  # padded queries see key 0 only (no NaN rows)
+            query_gather = np.where(valid, offsets[:, None] + i, T).reshape(-1)
+            query_scatter = (np.arange(B)[:, None] * Q + i)[valid]
+            attn_mask = key_pos[None, None, None, :] <= query_pos[:, None, :, None]
 
-        dev = device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(self.slot_mapping).to(dev),
-            query_gather=torch.from_numpy(query_gather).to(dev),
-            query_scatter=torch.from_numpy(query_scatter).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            attn_mask=torch.from_numpy(attn_mask).to(dev),
-            batch=B,
-            max_query=Q,
-        )
-        input_ids = None if self.input_ids is None else torch.from_numpy(self.input_ids).to(dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta, torch.from_numpy(self.sample_rows).to(dev)
+        def put(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return t if t.device == device else t.to(device)
+
+        gather = put(query_gather)
+        scatter = gather if query_scatter is query_gather else put(query_scatter)
+        meta = AttentionMetadata(slot_mapping=put(self.slot_mapping), query_gather=gather, query_scatter=scatter,
+                                 block_tables=put(tables), attn_mask=put(attn_mask), batch=B, max_query=Q)
+        input_ids = None if self.input_ids is None else put(self.input_ids)
+        return input_ids, put(positions), meta, put(self.sample_rows)
 
 
 class ModelRunner:

@@ -104,6 +104,9 @@ class Sampler:
         """logits: [rows, V] float (modified in place). One token per row."""
         n = logits.shape[0]
         logits = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
+        unmasked = masks is None or all(m is None for m in masks)
+        if unmasked and all(p.temperature == 0 and p.logprobs is None for p in params):
+            return SampleOutput(_argmax(logits).tolist(), [None] * n)  # greedy: the argmax is all there is
         if masks is not None:
             self.apply_masks(logits, masks)
         want_logprobs = [p.logprobs is not None for p in params]

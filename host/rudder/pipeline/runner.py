@@ -104,6 +104,9 @@ class PipelineRunner:
                 hidden = self.model(input_ids, positions, meta, self.kv_cache)
             self.busy_s += time.perf_counter() - started
             self.link.send(hidden, 1, ACT)
+            # The sends of steps whose tokens came back, forgotten while the other stages compute
+            # (not once the tokens are in: that is on the step's path).
+            self.link.release(self._done)
         except LinkError as e:
             self._fail(e)
         if step.open:
@@ -177,7 +180,6 @@ class PipelineRunner:
             extra = (self.link.recv(sum(1 + 2 * k for k in want), torch.float64, self.last, TOKENS).tolist()
                      if want else [])
             self._done = max(self._done, step.index)
-            self.link.release(self._done)
         except LinkError as e:
             self._fail(e)
         logprobs: list[dict | None] = [None] * n

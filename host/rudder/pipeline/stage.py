@@ -75,17 +75,18 @@ def stop_message() -> torch.Tensor:
 
 
 def decode_plan(header: np.ndarray, payload: np.ndarray):
-    """(StepArrays, copies, the spec that came with the plan or None)."""
-    _, B, T, NTB, C, R, _, _, _, S = (int(v) for v in header)
-    cuts = np.cumsum([B, B, T, B * NTB, 2 * C, R])
-    counts, starts, slots, tables, copies, rows, spec = np.split(payload, cuts)
-    arrays = StepArrays(counts, starts, slots, tables.reshape(B, NTB), rows)
-    return (arrays, [(int(a), int(b)) for a, b in copies.reshape(-1, 2)],
-            spec.view(np.float64).reshape(S, SPEC_COLS) if S else None)
+    """(StepArrays, copies, the spec that came with the plan or None), as views of `payload`."""
+    _, B, T, NTB, C, R, _, _, _, S = header.tolist()
+    tables, copies = 2 * B + T, 2 * B + T + B * NTB
+    rows = copies + 2 * C
+    arrays = StepArrays(payload[:B], payload[B:2 * B], payload[2 * B:tables], payload[tables:copies].reshape(B, NTB),
+                        payload[rows:rows + R])
+    return (arrays, [(a, b) for a, b in payload[copies:rows].reshape(C, 2).tolist()],
+            payload[rows + R:rows + R + S * SPEC_COLS].view(np.float64).reshape(S, SPEC_COLS) if S else None)
 
 
 def plan_size(header: np.ndarray) -> int:
-    _, B, T, NTB, C, R, _, _, _, S = (int(v) for v in header[:HEADER])
+    _, B, T, NTB, C, R, _, _, _, S = header[:HEADER].tolist()
     return 2 * B + T + B * NTB + 2 * C + R + S * SPEC_COLS
 
 
@@ -129,7 +130,10 @@ class Stage:
     @torch.inference_mode()
     def step(self, arrays: StepArrays, copies: list[tuple[int, int]], spec: np.ndarray | None) -> float:
         """Returns the seconds spent computing (not waiting)."""
-        _, positions, meta, sample_rows = arrays.tensors(self.block_size, self.device)  # while the previous stage computes
+        # While the previous stage computes: the attention metadata, and a spec that came with
+        # the plan read into the sampler's arguments.
+        _, positions, meta, sample_rows = arrays.tensors(self.block_size, self.device)
+        inputs = _sampling_inputs(spec, None) if spec is not None and self.last else None
         x = self.link.recv((len(arrays.slot_mapping), self.model.cfg.hidden_size), torch.float32, self.rank - 1, ACT)
         started = time.perf_counter()
         for src, dst in copies:
@@ -143,28 +147,25 @@ class Stage:
             return time.perf_counter() - started
         logits = self.model.logits(hidden.index_select(0, sample_rows)).float()
         busy = time.perf_counter() - started
-        return busy + self.sample(logits, spec)
+        return busy + self.sample(logits, inputs)
 
-    def sample(self, logits: torch.Tensor, spec: np.ndarray | None) -> float:
-        """Sample under `spec` (it came with the plan: unmasked), or under the next one of the
-        SPEC stream (rank 0 sends it once the step's controllers are done)."""
+    def sample(self, logits: torch.Tensor, inputs: tuple | None) -> float:
+        """Sample under the spec that came with the plan (`inputs`: unmasked), or under the next
+        one of the SPEC stream (rank 0 sends it once the step's controllers are done)."""
         link = self.link
-        masks = None
-        if spec is None:
+        if inputs is None:
             n, num_masks = (int(v) for v in link.recv(2, torch.int64, 0, SPEC))
             if n == 0:
                 return 0.0
             spec = link.recv((n, SPEC_COLS), torch.float64, 0, SPEC).numpy()
-            if num_masks:
-                masks = link.recv((num_masks, self.num_words), torch.int32, 0, SPEC).numpy().view(np.uint32)
+            masks = (link.recv((num_masks, self.num_words), torch.int32, 0, SPEC).numpy().view(np.uint32)
+                     if num_masks else None)
+            inputs = _sampling_inputs(spec, masks)
         started = time.perf_counter()
-        rows = spec[:, 0].astype(np.int64).tolist()
-        params = [SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), logprobs=None if lp < 0 else int(lp))
-                  for k, lp, t, p in zip(spec[:, 1], spec[:, 2], spec[:, 4], spec[:, 5])]
-        row_masks = [None if m < 0 else masks[int(m)] for m in spec[:, 3]]
+        rows, params, uniforms, row_masks = inputs
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        out = self.sampler.sample(logits, params, [FixedUniform(float(u)) for u in spec[:, 6]], row_masks)
+        out = self.sampler.sample(logits, params, uniforms, row_masks)
         link.send(torch.tensor(out.tokens, dtype=torch.int32), 0, TOKENS)
         extra = []
         for p, lp in zip(params, out.logprobs):
@@ -180,6 +181,15 @@ class Stage:
         if extra:
             link.send(torch.from_numpy(np.concatenate(extra)), 0, TOKENS)
         return time.perf_counter() - started
+
+
+def _sampling_inputs(spec: np.ndarray, masks: np.ndarray | None) -> tuple:
+    """The Sampler's arguments from a sampling spec: (logits rows, params, generators, masks)."""
+    params = [SamplingParams(temperature=t, top_k=int(k), top_p=p, logprobs=None if lp < 0 else int(lp))
+              for k, lp, t, p in spec[:, [1, 2, 4, 5]].tolist()]
+    row_masks = [None if m < 0 else masks[int(m)] for m in spec[:, 3].tolist()]
+    return (spec[:, 0].astype(np.int64).tolist(), params, [FixedUniform(u) for u in spec[:, 6].tolist()],
+            row_masks if masks is not None else None)
 
 
 def _watch_parent() -> None:
