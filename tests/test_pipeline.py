@@ -252,3 +252,42 @@ def test_smollm2_two_stages_match_with_a_controller():
         cb = piped.generate(["Will it rain tomorrow?"], SamplingParams(max_tokens=16, temperature=1.5, seed=2),
                             chat=True, controller="choices", controller_arg=choices)
     assert tokens(ca) == tokens(cb)
+
+
+def test_the_server_runs_under_torchrun():
+    """`rudder serve --pipeline-stages 2` under torchrun: rank 0 serves HTTP, rank 1 its stage."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    want = CliRunner().invoke(app, ["generate", "-m", MODEL, "-t", "0", "-n", "8", "hello"]).stdout.rstrip("\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "rudder.cli", "serve", "-m", MODEL, "--port", str(port), "--pipeline-stages", "2"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert agent.poll() is None, agent.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/healthz").json()["status"] == "ok":
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        workers = psutil.Process(agent.pid).children(recursive=True)
+        assert len(workers) >= 2  # rank 0 (the server) and rank 1 (the stage)
+        r = httpx.post(url + "/v1/run", json={"prompt": "hello", "max_tokens": 8, "temperature": 0, "stream": False},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive

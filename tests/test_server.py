@@ -363,3 +363,42 @@ def test_speculative_run_reports_its_stats_and_matches_plain(server):
     assert stats["target_forwards"] >= 1 and stats["drafted"] >= stats["accepted"] >= 0
     assert "speculative" not in plain["usage"]
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request"
+
+
+def test_pipeline_server_answers_as_one_process_and_a_dead_stage_fails_cleanly():
+    """`rudder serve --pipeline-stages 2`: the same text as one process over HTTP; killing a
+    stage ends the stream in flight with an engine error, and the server then says so."""
+    import os
+    import signal
+
+    from rudder import LLM, SamplingParams
+
+    body = {"prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": False}
+    want = LLM("tiny:4").generate(["hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
+    cfg = ServerConfig(model="tiny:4", max_tokens=100000, engine_options={"pipeline_stages": 2})
+    with LiveServer(cfg) as s, s.client() as c:
+        runner = s.app.state.service.llm.engine.runner
+        assert runner.num_stages == 2
+        r = c.post("/v1/run", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        with c.stream("POST", "/v1/run", json={**body, "max_tokens": 100000, "stream": True}) as stream:
+            events = sse_events(stream)
+            assert next(events)["type"] == "step"
+            os.kill(runner.children[0].pid, signal.SIGKILL)
+            last = [e for e in events if e != "[DONE]"][-1]
+        assert last["type"] == "done" and last["error"]["type"] == "engine_error"
+        assert "stage 1" in last["error"]["message"] and "killed by signal 9" in last["error"]["message"]
+        assert c.get("/healthz").json()["status"] == "failed"
+        refused = c.post("/v1/run", json=body)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "engine_error"
+    assert runner.children[0].poll() is not None
+
+
+def test_serve_with_a_bad_layout_or_model_is_one_line():
+    from typer.testing import CliRunner
+
+    from rudder.cli import app
+
+    for args in (["-m", "tiny:4", "--pipeline-stages", "3,2"], ["-m", "no-such-model"]):
+        result = CliRunner().invoke(app, ["serve", "--port", "0", *args])
+        assert result.exit_code == 1 and "error:" in result.output and "Traceback" not in result.output, args

@@ -208,10 +208,15 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit for every request, "
                                           "e.g. --limit mid_process_ms=10 (as for `run`); repeatable."),
           kv_cache_tokens: int = typer.Option(16384, "--kv-cache-tokens", min=16, help="KV cache size in tokens."),
-          device: str = DEVICE) -> None:
+          device: str = DEVICE, pipeline_stages: str = PIPELINE,
+          pipeline_micro_batches: Optional[int] = typer.Option(
+              None, "--pipeline-micro-batches", min=1,
+              help="Steps in flight at once over the pipeline, each over its own share of the running "
+                   "requests (default: one per stage).")) -> None:
     """Serve the model over HTTP: /v1/run (SSE), a controller registry, OpenAI-compatible completions."""
     import uvicorn
 
+    from .llm import LLM
     from .server import ServerConfig, create_app
 
     try:
@@ -219,13 +224,21 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
                               max_upload_bytes=int(max_upload_mb * (1 << 20)),
                               controller_limits=_read_limits(list(limit)) or {},
-                              engine_options={"kv_cache_tokens": kv_cache_tokens, "device": device})
+                              engine_options={"kv_cache_tokens": kv_cache_tokens, "device": device,
+                                              "pipeline_stages": _stages(pipeline_stages),
+                                              "pipeline_micro_batches": pipeline_micro_batches})
         from .controller import Limits
 
         Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
+        # The model (and its pipeline stages) is up before the port is bound: a bad model or layout
+        # is a one-line error, and under torchrun the ranks > 0 serve their stage here and exit.
+        llm = LLM(model, controller_limits=config.controller_limits or None, **config.engine_options)
     except _user_errors() as e:
         _fail(str(e))
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(create_app(config, llm), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        llm.close()
 
 
 @app.command()

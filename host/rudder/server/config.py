@@ -16,4 +16,4 @@ class ServerConfig:
     max_upload_bytes: int = 8 << 20    # a .wasm upload
     max_modules: int = 256             # uploaded modules kept (content-addressed)
     controller_limits: dict = field(default_factory=dict)  # lowers the ABI defaults (`--limit`)
-    engine_options: dict = field(default_factory=dict)     # passed to the Engine (kv_cache_tokens...)
+    engine_options: dict = field(default_factory=dict)     # passed to LLM (kv_cache_tokens, pipeline_stages...)
