@@ -291,3 +291,20 @@ def test_the_server_runs_under_torchrun():
         agent.wait(timeout=30)
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
+
+
+def test_activations_on_a_group_of_their_own_give_the_same_tokens(single, monkeypatch):
+    """On GPUs the activations take an NCCL group while plans, specs and tokens stay on gloo.
+    A second gloo group stands in for NCCL here, so that protocol runs end to end: 3 stages,
+    2 micro-batches, greedy and seeded, with Branch records of every kind."""
+    from rudder.pipeline.transport import SPLIT_GROUPS_ENV
+
+    monkeypatch.setenv(SPLIT_GROUPS_ENV, "1")  # read by every rank as it joins (the stages inherit it)
+    with LLM(MODEL, pipeline_stages=3, pipeline_micro_batches=2, **OPTIONS) as split:
+        assert split.engine.runner.link.data is not None
+        assert tokens(split.generate(PROMPTS, GREEDY)) == tokens(single.generate(PROMPTS, GREEDY))
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=9, ignore_eos=True)
+        for name, script in scripts(single).items():
+            a = single.generate([PROMPT, PROMPTS[0]], params, controllers=[Scripted(script, []), None])
+            b = split.generate([PROMPT, PROMPTS[0]], params, controllers=[Scripted(script, []), None])
+            assert tokens(a) == tokens(b), name

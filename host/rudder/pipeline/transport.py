@@ -56,9 +56,17 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def data_group(store: dist.Store, rank: int, world: int, timeout: float, device: torch.device):
+# Tests set this to give the activations a gloo group of their own on CPU, as NCCL has on GPUs:
+# the two-group protocol then runs end to end on a host without a GPU.
+SPLIT_GROUPS_ENV = "RUDDER_PIPELINE_SPLIT_GROUPS"
+
+
+def data_group(store: dist.Store, rank: int, world: int, timeout: float, device: torch.device,
+               host: str | None = None):
     """The NCCL group for activations between GPUs; None on CPU (they share the gloo group)."""
     if device.type != "cuda":
+        if os.environ.get(SPLIT_GROUPS_ENV) == "1":
+            return process_group(dist.PrefixStore("data", store), rank, world, timeout, host)
         return None
     torch.cuda.set_device(device)  # NCCL's communicators use the current device
     opts = dist.ProcessGroupNCCL.Options()
@@ -70,7 +78,7 @@ def connect(store: dist.Store, rank: int, world: int, timeout: float, device: to
             host: str | None = None) -> "Link":
     """This rank's link: the gloo group, plus the NCCL group on GPUs."""
     return Link(process_group(store, rank, world, timeout, host), timeout,
-                data_group(store, rank, world, timeout, device), device)
+                data_group(store, rank, world, timeout, device, host), device)
 
 
 class Link:
