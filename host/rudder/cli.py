@@ -156,7 +156,8 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
     except _user_errors() as e:
-        _fail(str(e), getattr(e, "log_tail", ""))
+        kind = getattr(e, "kind", None)  # a ControllerError names its kind, as step errors do
+        _fail(f"{kind}: {e}" if kind else str(e), getattr(e, "log_tail", ""))
     finally:
         if llm is not None:
             llm.close()

@@ -72,6 +72,8 @@ typedef wasm_trap_t *(*wasmtime_func_unchecked_callback_t)(
     void *env, wasmtime_caller_t *caller, wasmtime_val_raw_t *args_and_results, size_t n);
 
 void wasmtime_engine_increment_epoch(wasm_engine_t *engine);
+wasm_engine_t *wasmtime_engine_clone(wasm_engine_t *engine);
+void wasm_engine_delete(wasm_engine_t *engine);
 
 wasmtime_store_t *wasmtime_store_new(wasm_engine_t *engine, void *data, void (*finalizer)(void *));
 wasmtime_context_t *wasmtime_store_context(wasmtime_store_t *store);

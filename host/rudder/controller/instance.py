@@ -66,9 +66,15 @@ class _Store:
         if ticker is not None:
             ticker.store_opened()
 
+    def close(self) -> None:
+        """Free the store now (not whenever the garbage collector gets to it)."""
+        ffi.release(self.ptr)
+        self.__del__()
+
     def __del__(self):
         if self.ticker is not None:
-            self.ticker.store_closed()
+            ticker, self.ticker = self.ticker, None
+            ticker.store_closed()
 
 
 class Instance:
@@ -89,7 +95,9 @@ class Instance:
         lib.wasmtime_context_set_epoch_deadline(ctx, init_ticks)
         err = lib.wasmtime_instance_pre_instantiate(cmod._pre_ptr, ctx, self._instance, self.trap)
         if err or self.trap[0]:
-            raise self._instantiate_error(err)
+            error = self._instantiate_error(err)
+            store.close()  # nothing of a failed instance should wait for the garbage collector
+            raise error
 
         ext = ffi.new("wasmtime_extern_t *")
         self.funcs = {}

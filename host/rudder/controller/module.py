@@ -12,9 +12,10 @@ import threading
 import wasmtime
 
 from .errors import ControllerError
-from .host_api import check_imports
+from .host_api import IMPORTS, check_imports
+from .wasm_shape import NUMERIC, ShapeError, read_shape
 
-__all__ = ["ControllerModule", "FUNC_EXPORTS", "check_binary", "inspect_exports"]
+__all__ = ["ControllerModule", "FUNC_EXPORTS", "check_binary", "check_shape", "inspect_exports"]
 
 # name -> (params, results), all i32
 FUNC_EXPORTS: dict[str, tuple[int, int]] = {
@@ -24,7 +25,6 @@ FUNC_EXPORTS: dict[str, tuple[int, int]] = {
     "rudder_input": (1, 1),
     "rudder_mid_process": (3, 1),
 }
-_NUMERIC = {"i32", "i64", "f32", "f64"}
 _START_SECTION = 8
 
 
@@ -88,6 +88,40 @@ def check_binary(wasm: bytes) -> None:
         pass  # malformed: the compiler reports it precisely
 
 
+def check_shape(wasm: bytes) -> None:
+    """Refuse, from the bytes alone, every import and export whose kind or value types the host
+    does not handle - before anything asks wasmtime to describe them (its type reflection aborts
+    the process on v128 and exnref). Call after compiling: the bytes are then known valid."""
+    try:
+        shape = read_shape(wasm)
+    except ShapeError as e:
+        raise ControllerError("bad_module", f"cannot read the module's imports and exports: {e}") from None
+    for imp in shape.imports:
+        where = f"{imp.module}.{imp.name}"
+        if imp.module != "rudder" or imp.name not in IMPORTS:
+            continue  # check_imports names it
+        if imp.kind != "function":
+            raise ControllerError("bad_import", f"the controller imports {where} as a {imp.kind}, but it is a function")
+        odd = [t for t in imp.value_types() if t not in NUMERIC]
+        if odd:
+            raise ControllerError("bad_import", f"the controller imports {where} with type {imp.signature()}; "
+                                  f"{odd[0]} is not a type of the rudder ABI")
+    for imp in shape.imports:
+        if imp.module != "rudder" or imp.name not in IMPORTS:
+            allowed = ", ".join(IMPORTS)
+            raise ControllerError("bad_import", f"the controller imports {imp.module}.{imp.name} ({imp.kind}), but "
+                                  f"controllers may only import the `rudder` host functions ({allowed})")
+    for exp in shape.exports:
+        if exp.kind == "tag":
+            raise ControllerError("bad_module", f"the controller exports exception tag {exp.name!r}; "
+                                  "exceptions are not supported")
+        odd = [t for t in exp.value_types() if t not in NUMERIC]
+        if odd:
+            what = "global" if exp.kind == "global" else "function"
+            raise ControllerError("bad_module", f"the controller exports {what} {exp.name!r} of type {exp.signature()}; "
+                                  f"only i32, i64, f32 and f64 may cross the ABI ({odd[0]} does not)")
+
+
 def inspect_exports(module: wasmtime.Module) -> tuple[str, ...]:
     """Check the exports against the ABI; return the names of the exported mutable globals
     (part of a controller's state, copied with its memory)."""
@@ -112,7 +146,7 @@ def inspect_exports(module: wasmtime.Module) -> tuple[str, ...]:
     mutable = []
     for name, ty in exports.items():
         if isinstance(ty, wasmtime.GlobalType) and ty.mutable:
-            if str(ty.content) not in _NUMERIC:
+            if str(ty.content) not in NUMERIC:
                 raise ControllerError("bad_module", f"the controller exports mutable global {name} of "
                                       f"type {ty.content}; only numeric globals are supported")
             mutable.append(name)

@@ -5,7 +5,9 @@ Engine settings, and why:
 - epoch interruption (not fuel): deadlines cost ~6% of guest speed instead of ~9%, and a
   ticker thread gives wall-clock deadlines, which is what the step budget is about.
 - wasm threads/shared memory, memory64, multi-memory, GC off: a controller has exactly one
-  32-bit private memory (the ABI's pointers are u32; snapshots copy one memory).
+  32-bit private memory (the ABI's pointers are u32; snapshots copy one memory). Exceptions
+  and stack switching off too; SIMD stays on (fast guest mask kernels), and every import and
+  export is read from the bytes (`wasm_shape`) before wasmtime is asked about its types.
 - the pooling instance allocator with the first `keep_resident` bytes of each memory slot
   kept resident: every request and fork is a new instance, and writing its snapshot into
   fresh pages costs a page fault per 4 KiB (a 1.3 MB token table: ~0.8 ms); in a reused,
@@ -31,7 +33,7 @@ from .fastcall import addr, ffi, lib
 from .host_api import HostState, RequestContext, define_imports
 from .instance import WASM_PAGE, Instance
 from .limits import Limits, deadline_ticks
-from .module import ControllerModule, check_binary, check_module
+from .module import ControllerModule, check_binary, check_module, check_shape
 from .module_cache import ModuleCache, default_cache_dir, fingerprint, read_wasm, sha256_hex
 from .snapshot import restore_snapshot, take_snapshot
 from .token_table import token_table_for
@@ -89,6 +91,9 @@ def _config(pooling: dict | None) -> wasmtime.Config:
     cfg.wasm_gc = False
     cfg.wasm_function_references = False
     cfg.wasm_custom_page_sizes = False
+    cfg.wasm_exceptions = False  # exnref and tags: nothing a controller needs, and more to check
+    cfg.wasm_stack_switching = False
+    cfg.wasm_relaxed_simd_deterministic = True  # the same answers on every host (seeded runs repeat)
     if pooling:
         pc = _wb.wasmtime_pooling_allocation_config_new()
         try:
@@ -165,15 +170,20 @@ class _Ticker:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        increment, ptr, cond = lib.wasmtime_engine_increment_epoch, self._engine_ptr, self._cond
-        while True:
-            with cond:
-                while self._live <= 0 and not self._stopped and not self._orphaned:
-                    cond.wait()
-                if self._stopped or (self._orphaned and self._live <= 0):
-                    return
-            time.sleep(self._period)
-            increment(ptr)
+        # A handle of our own on the engine: Python may free the runtime's handle before the
+        # last store (objects in a reference cycle are finalised in any order at exit).
+        increment, ptr, cond = lib.wasmtime_engine_increment_epoch, lib.wasmtime_engine_clone(self._engine_ptr), self._cond
+        try:
+            while True:
+                with cond:
+                    while self._live <= 0 and not self._stopped and not self._orphaned:
+                        cond.wait()
+                    if self._stopped or (self._orphaned and self._live <= 0):
+                        return
+                time.sleep(self._period)
+                increment(ptr)
+        finally:
+            lib.wasm_engine_delete(ptr)
 
 
 class _NativeTicker:
@@ -189,6 +199,7 @@ class _NativeTicker:
         self._live = 0
         self._orphaned = False
         self._thread = None  # a rudder.native.NativeTicker while ticking
+        self._engine_clone = None  # the engine handle it ticks
 
     def store_opened(self) -> None:
         with self._lock:
@@ -197,7 +208,12 @@ class _NativeTicker:
                 from .. import native
 
                 increment = int(ffi.cast("uintptr_t", lib.wasmtime_engine_increment_epoch))
-                self._thread = native.NativeTicker(self._engine_ptr, increment, self._period)
+                # The thread ticks a handle of its own, deleted after it stopped: Python may
+                # free the runtime's handle first (a reference cycle is finalised in any order
+                # at exit), and a tick on a freed engine killed the process with SIGSEGV.
+                self._engine_clone = lib.wasmtime_engine_clone(self._engine_ptr)
+                self._thread = native.NativeTicker(int(ffi.cast("uintptr_t", self._engine_clone)), increment,
+                                                   self._period)
 
     def store_closed(self) -> None:
         with self._lock:
@@ -222,6 +238,8 @@ class _NativeTicker:
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
+            lib.wasm_engine_delete(self._engine_clone)
+            self._engine_clone = None
 
 
 def _make_ticker(engine, engine_ptr, period_s: float):
@@ -259,7 +277,7 @@ class ControllerRuntime:
         # Everything that changes compiled code or what the load-time checks accept (bump the
         # "rudder-controller-N" tag when the checks change): runtimes that differ in these
         # use different files instead of overwriting each other's.
-        fp = fingerprint("rudder-controller-1", _pkg_version("wasmtime"), platform.machine(),
+        fp = fingerprint("rudder-controller-2", _pkg_version("wasmtime"), platform.machine(),
                          "epoch", "speed", "pooling" if self.pooling else "ondemand",
                          limits.memory_bytes)
         if cache_dir is None:
@@ -302,6 +320,7 @@ class ControllerRuntime:
                                           f"the {MAX_MODULE_BYTES >> 20} MiB limit")
                 check_binary(data)
                 module = self.cache.compile(data)
+                check_shape(data)  # before wasmtime describes any type (v128 would abort)
                 mutable_globals = check_module(module)
             except ControllerError as e:
                 self.cache.put(sha, e)
