@@ -168,7 +168,7 @@ def measure_start(tokenizer, n: int = 300) -> dict:
                 rt.start(module, "").close()
 
             out[name] = _stats(_timed(start, n, warmup=20))
-            out[name]["snapshot_bytes"] = module._snapshot.stored_bytes
+            out[name]["snapshot_bytes"] = module.snapshot.stored_bytes
             parent = rt.start(module, "")
             parent.mid_process(0, 0, [1])
             out[name.replace("start", "fork")] = _stats(_timed(lambda: parent.fork().close(), n, warmup=20))

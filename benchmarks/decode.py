@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
 
 from rudder import SamplingParams  # noqa: E402
 from rudder.engine import Engine  # noqa: E402
-from rudder.llm import load_model  # noqa: E402
+from rudder import load_model  # noqa: E402
 
 TEXT = ("The history of navigation is the story of people learning to read the sea and the sky. "
         "Early sailors steered by the sun, the stars and the shape of the coast; later the compass, "

@@ -74,7 +74,7 @@ def run_single(model: str, batch: int, args, threads: int | None = None) -> dict
 
 
 def run_pipeline(model: str, batch: int, stages: int, micro: int, args) -> dict:
-    llm = LLM(model, pipeline_stages=args.layout or stages, pipeline_micro_batches=micro,
+    llm = LLM(model, pipeline_stages=args.layout or stages, micro_batches=micro,
               pipeline_threads=args.cores // stages,
               kv_cache_tokens=batch * (args.prompt_tokens + args.decode_tokens + 64), max_seqs=batch)
     runner = llm.engine.runner
@@ -100,7 +100,7 @@ def paired_latency(args, temperature: float) -> dict:
     bursts of `--latency-burst` decode steps; returns the medians and the paired differences."""
     kv = args.prompt_tokens + args.latency_burst + 64
     single = LLM(args.model, kv_cache_tokens=kv, max_seqs=1)
-    pipe = LLM(args.model, pipeline_stages=args.layout or args.stages, pipeline_micro_batches=1,
+    pipe = LLM(args.model, pipeline_stages=args.layout or args.stages, micro_batches=1,
                pipeline_threads=args.cores // args.stages, kv_cache_tokens=kv, max_seqs=1)
     times: dict[str, list[float]] = {"single": [], "pipeline": []}
     try:

@@ -150,11 +150,11 @@ def test_controller_masks_and_runs_during_the_forward_pass(tiny):
     overlapped, started = [], threading.Event()
     run = tiny.engine.runner.run
 
-    def watching_run(batch):
+    def watching_run(batch, *args):
         # If controllers ran after the forward pass, this wait would time out.
         overlapped.append(started.wait(timeout=5))
         started.clear()
-        return run(batch)
+        return run(batch, *args)
 
     class XYZ:
         def mid_process(self, branch_idx, backtrack, tokens):

@@ -182,8 +182,16 @@ def test_a_failing_fork_ends_its_request_without_unverified_tokens(llm):
 
 
 def test_controller_fast_forwards_ride_along_as_free_drafts(llm):
-    _, outs, _ = run(llm, ff_mix, "lookup")
+    plain, _, _ = run(llm, ff_mix)
+    spec, outs, _ = run(llm, ff_mix, "lookup")
+    assert spec == plain  # riding along changes nothing in the tokens
     assert sum(o.speculative["forced"] for o in outs) > 0
+    for o in outs:
+        s = o.speculative
+        # no token is counted twice: verified drafts and forced tokens are all in the output, and
+        # a request that had some rode them in fewer target forwards than it has tokens
+        assert s["accepted"] + s["forced"] <= len(o.token_ids)
+        assert not s["forced"] or s["target_forwards"] < len(o.token_ids)
 
 
 def test_speculative_and_plain_requests_share_a_batch(llm):
@@ -196,15 +204,19 @@ def test_speculative_and_plain_requests_share_a_batch(llm):
     check_caches_empty(llm)
 
 
-def test_a_target_that_cannot_verify_falls_back_to_plain_steps(llm):
-    plain, _, _ = run(llm, masked)
-    llm.engine.runner.multi_row_logits = False
+def test_a_runner_that_cannot_verify_refuses_speculative_requests(llm):
+    """A runner declares whether it can verify several positions per step; one that cannot
+    refuses a speculative request up front (it would otherwise silently run plain)."""
+    from rudder.engine import Capabilities
+
+    runner = llm.engine.runner
+    runner.capabilities = Capabilities(verify_rows=False)
     try:
-        spec, outs, _ = run(llm, masked, "lookup")
+        with pytest.raises(ValueError, match="speculative decoding needs a runner"):
+            llm.generate(["x"], SamplingParams(max_tokens=4, speculative="lookup"))
     finally:
-        del llm.engine.runner.multi_row_logits
-    assert spec == plain
-    assert all(o.speculative["fallbacks"] > 0 and o.speculative["drafted"] == 0 for o in outs)
+        del runner.capabilities  # back to the class's declaration
+    assert llm.generate(["x"], SamplingParams(max_tokens=4, speculative="lookup"))[0].speculative is not None
 
 
 def test_cancelling_a_stream_frees_both_caches(llm):

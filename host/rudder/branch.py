@@ -1,10 +1,18 @@
-"""The Branch record: what a controller asks of one sequence at one step (see docs/abi.md)."""
+"""The Branch record: what a controller asks of one sequence at one step (see docs/abi.md).
+What a Branch *does* to a sequence is engine/branching.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+
+__all__ = ["Branch", "mask_words"]
+
+
+def mask_words(vocab_size: int) -> int:
+    """Length of a sample mask in uint32 words: token i is bit (i & 31) of word (i >> 5)."""
+    return (vocab_size + 31) // 32
 
 
 @dataclass
@@ -21,4 +29,10 @@ class Branch:
 
     @property
     def samples(self) -> bool:
+        """It samples a token (else it only backtracks and/or fast-forwards)."""
         return self.mask is not None or not self.ff
+
+    @property
+    def appends(self) -> list[int]:
+        """The tokens it appends without sampling (its one ff list when it does not sample)."""
+        return [] if self.samples else self.ff[0]

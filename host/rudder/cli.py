@@ -8,6 +8,10 @@ from typing import Optional
 
 import typer
 
+from .engine.config import EngineConfig
+
+DEFAULTS = EngineConfig()
+
 app = typer.Typer(
     help="rudder: an LLM inference host where WebAssembly controllers steer decoding token by token.",
     no_args_is_help=True,
@@ -208,7 +212,11 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", min=0.001, help="Largest .wasm upload, in MiB."),
           limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit for every request, "
                                           "e.g. --limit mid_process_ms=10 (as for `run`); repeatable."),
-          kv_cache_tokens: int = typer.Option(16384, "--kv-cache-tokens", min=16, help="KV cache size in tokens."),
+          kv_cache_tokens: int = typer.Option(DEFAULTS.kv_cache_tokens, "--kv-cache-tokens", min=16,
+                                              help="KV cache size in tokens."),
+          max_batch_tokens: int = typer.Option(DEFAULTS.max_batch_tokens, "--max-batch-tokens", min=1,
+                                               help="Tokens fed to the model per step (prompt chunks + decoding)."),
+          max_seqs: int = typer.Option(DEFAULTS.max_seqs, "--max-seqs", min=1, help="Sequences decoding at once."),
           device: str = DEVICE, pipeline_stages: str = PIPELINE,
           pipeline_micro_batches: Optional[int] = typer.Option(
               None, "--pipeline-micro-batches", min=1,
@@ -225,9 +233,10 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
                               max_upload_bytes=int(max_upload_mb * (1 << 20)),
                               controller_limits=_read_limits(list(limit)) or {},
-                              engine_options={"kv_cache_tokens": kv_cache_tokens, "device": device,
+                              engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
+                                              "max_seqs": max_seqs, "device": device,
                                               "pipeline_stages": _stages(pipeline_stages),
-                                              "pipeline_micro_batches": pipeline_micro_batches})
+                                              "micro_batches": pipeline_micro_batches})
         from .controller import Limits
 
         Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line

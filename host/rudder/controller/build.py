@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rudder.model_files import rudder_home
+from ..paths import controllers_dir, zig_cache_dir
 
 __all__ = [
     "BUILTIN_CONTROLLERS",
@@ -52,10 +52,6 @@ class BuildError(RuntimeError):
         self.summary = summary
         self.output = output.strip()
         super().__init__(summary + ("\n" + self.output if self.output else ""))
-
-
-def zig_cache_dir() -> Path:
-    return rudder_home() / "zig-cache"
 
 
 def sdk_sources() -> list[Path]:
@@ -153,7 +149,7 @@ def builtin_controller(name: str, debug: bool = False) -> Path:
     SDK, flags, zig) changed. Concurrent callers may both build; the rename makes that safe."""
     source = _source_path(name)
     suffix = "-debug" if debug else ""
-    path = rudder_home() / "controllers" / f"{name}-{_build_key(source, debug)}{suffix}.wasm"
+    path = controllers_dir() / f"{name}-{_build_key(source, debug)}{suffix}.wasm"
     if path.is_file() and path.stat().st_size > 0:
         return path
     return build_controller([source], path, debug=debug)

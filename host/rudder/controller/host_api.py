@@ -17,31 +17,17 @@ from dataclasses import dataclass, field
 
 import wasmtime
 
+from .abi import (ABI_VERSION, CONFIG_ABI_VERSION, CONFIG_FLAGS, CONFIG_MAX_FF_TOKENS, CONFIG_MAX_FORKS,
+                  FLAG_BACKTRACK, FLAG_FORKS, IMPORT_MODULE, IMPORTS)
 from .fastcall import EXTERN_MEMORY, ffi, lib, addr
 from .limits import Limits
 
-__all__ = ["IMPORTS", "HostState", "RequestContext", "define_imports", "check_imports"]
+__all__ = ["HostState", "RequestContext", "define_imports", "check_imports"]
 
-ABI_VERSION = 1
 LOG_TRUNCATED = b"\n[log truncated]\n"
 # Text given to one `tokenize` call. Not in the ABI's limit table: it bounds how long a single
 # import can block (tokenizing runs in Python, where the epoch deadline cannot interrupt it).
 MAX_TOKENIZE_BYTES = 1 << 20
-
-# name -> (number of i32 params, number of i32 results)
-IMPORTS: dict[str, tuple[int, int]] = {
-    "vocab_size": (0, 1),
-    "eos_token": (0, 1),
-    "config": (1, 1),
-    "arg_len": (0, 1),
-    "arg_read": (2, 1),
-    "tokenize": (4, 1),
-    "token_table_len": (0, 1),
-    "token_table_read": (2, 1),
-    "log": (2, 0),
-    "var_get": (4, 1),
-    "var_set": (4, 1),
-}
 
 
 class RequestContext:
@@ -160,15 +146,15 @@ def _eos_token(state, caller, ctx, vals):
 def _config(state, caller, ctx, vals):
     limits = state.request.limits if state.request is not None else state.runtime.limits
     key = vals[0].i32
-    if key == 0:
+    if key == CONFIG_ABI_VERSION:
         return ABI_VERSION
-    if key == 1:
+    if key == CONFIG_MAX_FORKS:
         return limits.max_forks
-    if key == 2:
+    if key == CONFIG_MAX_FF_TOKENS:
         return limits.max_ff_tokens
-    if key == 3:
+    if key == CONFIG_FLAGS:
         forks = limits.max_forks > 1
-        return (1 if forks else 0) | (2 if state.runtime.backtrack_allowed else 0)
+        return (FLAG_FORKS if forks else 0) | (FLAG_BACKTRACK if state.runtime.backtrack_allowed else 0)
     return -1
 
 
@@ -315,7 +301,7 @@ def define_imports(linker: wasmtime.Linker) -> None:
     for name, (n_params, n_results) in IMPORTS.items():
         ty = wasmtime.FuncType([i32] * n_params, [i32] * n_results)
         err = lib.wasmtime_linker_define_func_unchecked(
-            linker_p, b"rudder", 6, name.encode(), len(name),
+            linker_p, IMPORT_MODULE.encode(), len(IMPORT_MODULE), name.encode(), len(name),
             ffi.cast("wasm_functype_t *", addr(ty.ptr())), _CALLBACKS[name], ffi.NULL, ffi.NULL)
         if err:
             from .fastcall import take_error
@@ -328,7 +314,7 @@ def check_imports(module: wasmtime.Module) -> str | None:
     allowed = ", ".join(IMPORTS)
     for imp in module.imports:
         where = f"{imp.module}.{imp.name}"
-        if imp.module != "rudder":
+        if imp.module != IMPORT_MODULE:
             return (f"the controller imports {where}, but controllers may only import the "
                     f"`rudder` host functions ({allowed})")
         if imp.name not in IMPORTS:

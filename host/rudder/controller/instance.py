@@ -13,6 +13,7 @@ import ctypes
 
 import numpy as np
 
+from .abi import MEMORY_EXPORT
 from .errors import ControllerError
 from .fastcall import (EXTERN_FUNC, EXTERN_GLOBAL, EXTERN_MEMORY, TRAP_CODES, TRAP_INTERRUPT,
                        TRAP_STACK_OVERFLOW, ffi, lib, take_error, take_trap)
@@ -93,7 +94,7 @@ class Instance:
         # Instantiation runs no guest code (modules with a start function are rejected at
         # load), but arm a deadline anyway: wasmtime checks the epoch at function entry.
         lib.wasmtime_context_set_epoch_deadline(ctx, init_ticks)
-        err = lib.wasmtime_instance_pre_instantiate(cmod._pre_ptr, ctx, self._instance, self.trap)
+        err = lib.wasmtime_instance_pre_instantiate(cmod.pre_ptr, ctx, self._instance, self.trap)
         if err or self.trap[0]:
             error = self._instantiate_error(err)
             store.close()  # nothing of a failed instance should wait for the garbage collector
@@ -101,11 +102,11 @@ class Instance:
 
         ext = ffi.new("wasmtime_extern_t *")
         self.funcs = {}
-        for name in cmod._func_exports:
+        for name in cmod.func_exports:
             self.funcs[name] = ffi.new("wasmtime_func_t *", self._export(ext, name, EXTERN_FUNC).func)
-        self.memory = ffi.new("wasmtime_memory_t *", self._export(ext, "memory", EXTERN_MEMORY).memory)
+        self.memory = ffi.new("wasmtime_memory_t *", self._export(ext, MEMORY_EXPORT, EXTERN_MEMORY).memory)
         self.globals = [ffi.new("wasmtime_global_t *", self._export(ext, name, EXTERN_GLOBAL).global_)
-                        for name in cmod._mutable_globals]
+                        for name in cmod.mutable_globals]
         state.memory = self.memory
         # Argument/result slots of the unchecked calls: 16 bytes each, i32 in the first 4.
         self.vals = ffi.new("wasmtime_val_raw_t[4]")

@@ -11,42 +11,36 @@ import threading
 
 import wasmtime
 
+from .abi import FUNC_EXPORTS, IMPORT_MODULE, IMPORTS, MEMORY_EXPORT
 from .errors import ControllerError
-from .host_api import IMPORTS, check_imports
+from .host_api import check_imports
 from .wasm_shape import NUMERIC, ShapeError, read_shape
 
-__all__ = ["ControllerModule", "FUNC_EXPORTS", "check_binary", "check_shape", "inspect_exports"]
+__all__ = ["ControllerModule", "check_binary", "check_shape", "inspect_exports"]
 
-# name -> (params, results), all i32
-FUNC_EXPORTS: dict[str, tuple[int, int]] = {
-    "rudder_abi_version": (0, 1),
-    "rudder_init": (0, 1),
-    "rudder_start": (0, 1),
-    "rudder_input": (1, 1),
-    "rudder_mid_process": (3, 1),
-}
 _START_SECTION = 8
 
 
 class ControllerModule:
-    """A loaded controller. Public: `sha256` (of the wasm bytes), `wasm_size`,
-    `compiled_size` (bytes of compiled code, as serialized). The rest belongs to the runtime
-    that loaded it: the wasmtime module, its pre-linked form, and the post-init snapshot."""
+    """A loaded controller: `sha256` (of the wasm bytes), `wasm_size`, `compiled_size` (bytes of
+    compiled code, as serialized). The other fields belong to the ControllerRuntime that loaded
+    it (`shared`) and are changed by it alone: the wasmtime module, its pre-linked form, the
+    exports it calls, and the post-init snapshot."""
 
     def __init__(self, sha256: str, wasm_size: int, compiled_size: int, module: wasmtime.Module,
                  pre: wasmtime.InstancePre, pre_ptr, mutable_globals: tuple[str, ...], shared):
         self.sha256 = sha256
         self.wasm_size = wasm_size
         self.compiled_size = compiled_size
-        self._module = module
-        self._pre = pre          # keeps the wasmtime_instance_pre_t alive
-        self._pre_ptr = pre_ptr  # ... which cffi calls use
-        self._func_exports = tuple(FUNC_EXPORTS)
-        self._mutable_globals = mutable_globals
-        self._shared = shared    # the runtime it belongs to
-        self._lock = threading.Lock()  # one rudder_init at a time
-        self._snapshot = None    # set after a successful rudder_init
-        self._init_error: ControllerError | None = None  # a deterministic init failure
+        self.wasm_module = module
+        self.pre = pre          # keeps the wasmtime_instance_pre_t alive
+        self.pre_ptr = pre_ptr  # ... which cffi calls use
+        self.func_exports = tuple(FUNC_EXPORTS)
+        self.mutable_globals = mutable_globals
+        self.shared = shared    # the runtime it belongs to
+        self.init_lock = threading.Lock()  # one rudder_init at a time
+        self.snapshot = None    # set after a successful rudder_init
+        self.init_error: ControllerError | None = None  # a deterministic init failure
 
     def __repr__(self) -> str:
         return (f"ControllerModule(sha256={self.sha256[:12]}..., wasm_size={self.wasm_size}, "
@@ -98,7 +92,7 @@ def check_shape(wasm: bytes) -> None:
         raise ControllerError("bad_module", f"cannot read the module's imports and exports: {e}") from None
     for imp in shape.imports:
         where = f"{imp.module}.{imp.name}"
-        if imp.module != "rudder" or imp.name not in IMPORTS:
+        if imp.module != IMPORT_MODULE or imp.name not in IMPORTS:
             continue  # check_imports names it
         if imp.kind != "function":
             raise ControllerError("bad_import", f"the controller imports {where} as a {imp.kind}, but it is a function")
@@ -107,7 +101,7 @@ def check_shape(wasm: bytes) -> None:
             raise ControllerError("bad_import", f"the controller imports {where} with type {imp.signature()}; "
                                   f"{odd[0]} is not a type of the rudder ABI")
     for imp in shape.imports:
-        if imp.module != "rudder" or imp.name not in IMPORTS:
+        if imp.module != IMPORT_MODULE or imp.name not in IMPORTS:
             allowed = ", ".join(IMPORTS)
             raise ControllerError("bad_import", f"the controller imports {imp.module}.{imp.name} ({imp.kind}), but "
                                   f"controllers may only import the `rudder` host functions ({allowed})")
@@ -126,7 +120,7 @@ def inspect_exports(module: wasmtime.Module) -> tuple[str, ...]:
     """Check the exports against the ABI; return the names of the exported mutable globals
     (part of a controller's state, copied with its memory)."""
     exports = {e.name: e.type for e in module.exports}
-    memory = exports.get("memory")
+    memory = exports.get(MEMORY_EXPORT)
     if not isinstance(memory, wasmtime.MemoryType):
         raise ControllerError("bad_module", "the controller does not export its linear memory as `memory`")
     if memory.is_64:

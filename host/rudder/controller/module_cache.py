@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 import wasmtime
 
 from ..fsutil import atomic_path
+from ..paths import wasm_cache_dir
 from .errors import ControllerError
 
 __all__ = ["ModuleCache", "compile_module"]
@@ -132,9 +133,7 @@ def fingerprint(*parts: object) -> str:
 
 
 def default_cache_dir() -> Path:
-    from ..model_files import rudder_home
-
-    return rudder_home() / "wasm-cache"
+    return wasm_cache_dir()
 
 
 def sha256_hex(data: bytes) -> str:

@@ -15,12 +15,12 @@ import struct
 
 import numpy as np
 
-from ..branch import Branch
+from ..branch import Branch, mask_words
+from .abi import BRANCH, RESULT, TOKENS
 from .errors import ControllerError
 
 __all__ = ["ResultDecoder"]
 
-_U32x2 = struct.Struct("<II")
 _FORMATS: dict[int, struct.Struct] = {}
 
 
@@ -49,7 +49,7 @@ class ResultDecoder:
 
     def __init__(self, vocab_size: int, max_forks: int, max_ff_tokens: int):
         self.vocab = vocab_size
-        self.mask_words = (vocab_size + 31) // 32
+        self.mask_words = mask_words(vocab_size)
         self.mask_bytes = 4 * self.mask_words
         self._zeros = bytes(self.mask_bytes)
         self.tail_bits = vocab_size % 32  # used bits of the last mask word (0: all 32)
@@ -75,15 +75,15 @@ class ResultDecoder:
         ptr &= 0xFFFFFFFF
         if ptr == 0:
             raise _Invalid("invalid_result", "a null pointer (the controller reported a failure)")
-        if ptr + 8 > size:
+        if ptr + RESULT.size > size:
             raise _OutOfBounds(f"result pointer {ptr:#x} lies outside memory ({size} bytes)")
-        n_branches, branches_ptr = _U32x2.unpack_from(buf, ptr)
+        n_branches, branches_ptr = RESULT.unpack_from(buf, ptr)
         if n_branches == 0:
             return []
         if n_branches > self.max_forks:
             raise _Invalid("limit", f"{n_branches} branches, over the limit of {self.max_forks}")
-        if branches_ptr + 16 * n_branches > size:
-            raise _OutOfBounds(f"branches [{branches_ptr:#x}, +{16 * n_branches}) lie "
+        if branches_ptr + BRANCH.size * n_branches > size:
+            raise _OutOfBounds(f"branches [{branches_ptr:#x}, +{BRANCH.size * n_branches}) lie "
                                f"outside memory ({size} bytes)")
         fields = _words(4 * n_branches).unpack_from(buf, branches_ptr)
         out = []
@@ -124,8 +124,8 @@ class ResultDecoder:
     def _ff_lists(self, inst, ff_ptr: int, n_ff: int, ff_left: int, where: str,
                   masked: bool, backtrack: int) -> tuple[list[list[int]], int]:
         buf, size = inst.buf, inst.size
-        if ff_ptr + 8 * n_ff > size:
-            raise _OutOfBounds(f"{where}fast-forward records [{ff_ptr:#x}, +{8 * n_ff}) "
+        if ff_ptr + TOKENS.size * n_ff > size:
+            raise _OutOfBounds(f"{where}fast-forward records [{ff_ptr:#x}, +{TOKENS.size * n_ff}) "
                                f"lie outside memory ({size} bytes)")
         recs = _words(2 * n_ff).unpack_from(buf, ff_ptr)
         total = sum(recs[0::2])

@@ -342,7 +342,7 @@ class ControllerRuntime:
         """A controller for a new request: a fresh instance holding the module's post-init
         state, after rudder_start has accepted `arg`. Raises ControllerError."""
         self._check_open()
-        if module._shared is not self._shared:
+        if module.shared is not self._shared:
             raise ValueError("this module was loaded by another ControllerRuntime")
         lim = self.limits.capped(limits)
         if isinstance(arg, str):
@@ -363,22 +363,22 @@ class ControllerRuntime:
 
     def _ensure_init(self, cmod: ControllerModule):
         """The module's post-init snapshot, running rudder_init the first time."""
-        snap = cmod._snapshot
+        snap = cmod.snapshot
         if snap is not None:
             return snap
-        with cmod._lock:
-            if cmod._snapshot is not None:
-                return cmod._snapshot
-            if cmod._init_error is not None:
-                e = cmod._init_error
+        with cmod.init_lock:
+            if cmod.snapshot is not None:
+                return cmod.snapshot
+            if cmod.init_error is not None:
+                e = cmod.init_error
                 raise ControllerError(e.kind, str(e), e.log_tail)
             try:
-                cmod._snapshot = self._run_init(cmod)
+                cmod.snapshot = self._run_init(cmod)
             except ControllerError as e:
                 if e.kind in _STICKY_INIT_KINDS:
-                    cmod._init_error = e
+                    cmod.init_error = e
                 raise
-            return cmod._snapshot
+            return cmod.snapshot
 
     def _run_init(self, cmod: ControllerModule):
         shared, lim = self._shared, self.limits
@@ -397,7 +397,6 @@ class ControllerRuntime:
                                   inst.log_tail())
         fresh = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
         snap = take_snapshot(inst, fresh)
-        cmod._init_log = bytes(inst.state.log)
         return snap
 
     # ------------------------------------------------------------------ lifetime

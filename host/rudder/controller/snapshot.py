@@ -92,5 +92,5 @@ def clone_state(src: Instance, dst: Instance, eager_bytes: int) -> None:
 
 def dst_image_size(inst: Instance) -> int:
     """Bytes of a fresh instance's memory that may be non-zero (its data image)."""
-    snap = inst.cmod._snapshot
+    snap = inst.cmod.snapshot
     return snap.image_size if snap is not None else inst.size

@@ -22,10 +22,11 @@ import weakref
 
 import numpy as np
 
+from .abi import TOKEN_TABLE_HEADER_WORDS as HEADER_WORDS
+from .abi import TOKEN_TABLE_MAGIC as MAGIC
+
 __all__ = ["MAGIC", "build_token_table", "token_table_for", "parse_header"]
 
-MAGIC = 0x31545452  # "RTT1" little-endian
-HEADER_WORDS = 4
 MAX_VOCAB = (1 << 24) - 2  # token_id + 1 must fit in the 24 high bits of word0
 
 _cache: "weakref.WeakKeyDictionary[object, bytes]" = weakref.WeakKeyDictionary()

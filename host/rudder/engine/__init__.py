@@ -1,10 +1,16 @@
-"""The serving engine: sequences, paged KV bookkeeping, scheduler, model runner, sampler, loop."""
+"""The serving engine: requests and sequences, paged KV bookkeeping, scheduler, Branch semantics,
+runners, sampler, and the loop that drives them (llm_engine.Engine)."""
 
 from .block_manager import BlockManager, KVCacheFull
-from .llm_engine import Engine, Request, RunnerFailure
+from .branching import InvalidBranch
+from .config import EngineConfig
+from .cursor import Controller
+from .llm_engine import Engine
 from .output import Completion, Delta, Usage
+from .runner import Capabilities, Runner, RunnerFailure
 from .sampler import Sampler
-from .sequence import SamplingParams, Sequence
+from .sequence import Request, SamplingParams, Sequence
 
-__all__ = ["BlockManager", "KVCacheFull", "Completion", "Delta", "Engine", "Request", "RunnerFailure", "Sampler",
-           "SamplingParams", "Sequence", "Usage"]
+__all__ = ["BlockManager", "Capabilities", "Completion", "Controller", "Delta", "Engine", "EngineConfig",
+           "InvalidBranch", "KVCacheFull", "Request", "Runner", "RunnerFailure", "Sampler", "SamplingParams",
+           "Sequence", "Usage"]

@@ -23,7 +23,8 @@ from torch import nn
 
 from ..packed_linear import unpack_linears
 from .block_manager import BlockManager, KVCacheFull
-from .model_runner import ModelRunner, ScheduledSeq
+from .model_runner import ModelRunner
+from .step import ScheduledSeq
 
 
 class PromptLookup:
@@ -141,8 +142,15 @@ def _shared_copy(target, num_layers: int | None = None):
 
 def build_draft_model(spec, target):
     """The draft for `spec`: "int8" (the target, dynamically quantized), "layers:N" (the
-    target's first N layers, no copy), a loaded model, or a model spec for `rudder.llm.load_model`
+    target's first N layers, no copy), a loaded model, or a model spec for `rudder.loading.load_model`
     (a local checkpoint); its vocabulary must be the target's."""
+    from ..model import LlamaModel
+
+    if spec == "int8" or (isinstance(spec, str) and spec.startswith("layers:")):
+        if not isinstance(target, LlamaModel):
+            raise ValueError(f"the draft model {spec!r} is built from the whole target model, which this "
+                             f"process does not hold (a pipeline's coordinator holds stage 0 only); give "
+                             f"a draft checkpoint of its own, or use speculative='lookup'")
     if spec == "int8":
         draft = _QuantizedLM(_shared_copy(target))
     elif isinstance(spec, str) and spec.startswith("layers:"):
@@ -151,7 +159,7 @@ def build_draft_model(spec, target):
             raise ValueError(f"draft model {spec!r}: N must be in 1..{target.cfg.num_layers}")
         draft = _shared_copy(target, int(n))
     elif isinstance(spec, str):
-        from ..llm import load_model
+        from ..loading import load_model
 
         draft = load_model(spec, target.embed_tokens.weight.device)[0]
     else:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import native
+from ..branch import mask_words
 from .sequence import SamplingParams
 
 assert sys.byteorder == "little", "mask words are read as little-endian bytes"
@@ -37,7 +38,7 @@ def _argmax(rows: torch.Tensor) -> torch.Tensor:
     return rows.argmax(dim=-1)
 
 
-def _keep_nucleus(row: torch.Tensor, top_p: float) -> None:
+def keep_nucleus(row: torch.Tensor, top_p: float) -> None:
     """Set to -inf every token outside the smallest most-likely set whose mass reaches top_p.
 
     A full sort of the vocabulary costs ~4 ms here; LM distributions are peaked, so the nucleus
@@ -54,6 +55,13 @@ def _keep_nucleus(row: torch.Tensor, top_p: float) -> None:
     row.masked_fill_(probs < values[kept - 1], float("-inf"))
 
 
+def draw_uniform(params: SamplingParams, rng) -> float:
+    """The one uniform draw a sampled token consumes from its sequence's generator (inverse-CDF
+    sampling); a greedy row draws none. Whoever samples - this Sampler, or a pipeline's last stage
+    with uniforms drawn by the coordinator - draws by this rule, so a seed gives the same tokens."""
+    return rng.random() if params.temperature > 0 else 0.0
+
+
 @dataclass
 class SampleOutput:
     tokens: list[int]  # -1 where the mask allowed no token
@@ -63,7 +71,7 @@ class SampleOutput:
 class Sampler:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self.num_words = (vocab_size + 31) // 32
+        self.num_words = mask_words(vocab_size)
         self._penalty = np.zeros((0, self.num_words * 32), dtype=np.float32)
 
     def _penalty_rows(self, n: int) -> np.ndarray:
@@ -156,10 +164,10 @@ class Sampler:
                 kth = x[j].topk(p.top_k).values[-1]
                 x[j].masked_fill_(x[j] < kth, float("-inf"))
             if p.top_p < 1.0:
-                _keep_nucleus(x[j], p.top_p)
+                keep_nucleus(x[j], p.top_p)
         probs = x.softmax(dim=-1)
         cdf = probs.cumsum_(dim=-1)
-        u = torch.tensor([rngs[i].random() for i in rows], dtype=cdf.dtype, device=cdf.device)
+        u = torch.tensor([draw_uniform(params[i], rngs[i]) for i in rows], dtype=cdf.dtype, device=cdf.device)
         u.mul_(cdf[:, -1])  # scale by the total (float rounding) so u never exceeds the last bin
         picked = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1)
         return picked.clamp_(max=x.shape[1] - 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from .block_manager import BlockManager, KVCacheFull
-from .model_runner import ScheduledSeq
+from .step import ScheduledSeq
 from .sequence import Sequence, SeqStatus
 
 

@@ -1,12 +1,19 @@
-"""A sequence being decoded: its tokens, how many of them are in the KV cache, and its settings."""
+"""A request, the sequences it runs as, and how each picks its tokens (SamplingParams)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .output import Usage
+
+if TYPE_CHECKING:
+    from .cursor import ControllerCursor
+    from .output import TextOutput
 
 
 @dataclass
@@ -57,16 +64,40 @@ class SeqStatus(Enum):
 _ids = itertools.count()
 
 
+class Request:
+    """One submitted prompt and everything it became: its sequences (one, or several after
+    forks), its usage and its outcome."""
+
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs: list[Sequence] = []
+        self.cancelled = False
+        self.error: str | None = None
+        self.usage = Usage()
+        self.spec_stats = None  # speculative.SpecStats of a speculative request
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def live(self) -> int:
+        return sum(not s.finished for s in self.seqs)
+
+
 class Sequence:
     """`token_ids[:num_cached]` are in the KV cache; the rest wait to be fed to the model.
 
     A prompt waits in full; after sampling, one token waits; a controller's fast-forward can
-    queue several. A backtrack removes tokens from the end (and from the cache)."""
+    queue several. A backtrack removes tokens from the end (and from the cache). Only
+    engine/branching.py's Steering changes a running sequence."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator,
-                 request_id: int, branch: int = 0):
+                 request: Request, branch: int = 0):
         self.seq_id = next(_ids)
-        self.request_id = request_id
+        self.request = request
         self.branch = branch
         self.token_ids = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
@@ -77,15 +108,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict] = []
-        # Controller state (see docs/abi.md): what the next mid_process call reports, and a
-        # Branch whose sampling waits for fresh logits after a backtrack.
-        self.controller = None
-        self.ctl_branch = 0
-        self.ctl_backtrack = 0
-        self.ctl_append: list[int] = list(prompt_ids)
-        self.deferred = None  # rudder.branch.Branch | None
-        self.usage = None  # the request's rudder.engine.output.Usage (shared by its forks)
+        self.output: "TextOutput | None" = None  # the streamed text (set by the engine)
+        self.cursor: "ControllerCursor | None" = None  # its controller, and what it has been told
         self.draft = None  # speculative.Draft | None: draft tokens this step verifies
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -105,6 +134,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def controller(self):
+        return None if self.cursor is None else self.cursor.controller
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.seq_id}, len={len(self)}, cached={self.num_cached}, {self.status.name})"

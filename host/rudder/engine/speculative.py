@@ -16,9 +16,11 @@ the masks recorded while drafting (no extra controller call): greedy accepts whi
 masked argmax agrees; sampling accepts with min(1, p/q) and resamples a rejection from the
 normalised residual max(0, p - q), so the output follows the target's distribution. Rejected
 positions are popped from the KV cache, the controller learns them as `backtrack` at its next
-call, with the corrected token as its `append`. When every draft token is accepted, the
-controller's last answer - whatever it is: fork, backtrack, stop - is applied to the logits of
-the position after the draft by the engine's ordinary code (`Engine._take_branches`).
+call, with the corrected token as its `append` (the cursor's `ahead`, engine/cursor.py). When
+every draft token is accepted, the controller's last answer - whatever it is: fork, backtrack,
+stop - is applied to the logits of the position after the draft by the same code as any answer
+(`Steering.apply_answer`, engine/branching.py). The verification rows are read through the
+runner (`Runner.logits`), so a pipeline verifies like one process.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..branch import Branch
+from .branching import Sample, ends_sequence, mask_allows, tokens_after
 from .drafts import DraftModel, PromptLookup, build_draft_model
-from .sampler import _keep_nucleus
+from .sampler import Sampler, keep_nucleus
 
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
@@ -49,7 +52,6 @@ class SpecStats:
     forced: int = 0  # controller fast-forward tokens that rode along in a verification forward
     target_forwards: int = 0  # target forward passes that produced this request's next tokens
     spec_steps: int = 0  # of those, the ones that verified a draft
-    fallbacks: int = 0  # steps run plainly because the target cannot verify several positions
 
     def as_dict(self, output_tokens: int) -> dict:
         return {
@@ -57,7 +59,6 @@ class SpecStats:
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
             "target_forwards": self.target_forwards, "spec_steps": self.spec_steps,
             "tokens_per_target_forward": round(output_tokens / self.target_forwards, 4) if self.target_forwards else None,
-            "fallbacks": self.fallbacks,
         }
 
 
@@ -130,7 +131,7 @@ def _probs(row: torch.Tensor, params) -> torch.Tensor:
     if 0 < params.top_k < x.shape[0]:
         x.masked_fill_(x < x.topk(params.top_k).values[-1], float("-inf"))
     if params.top_p < 1.0:
-        _keep_nucleus(x, params.top_p)
+        keep_nucleus(x, params.top_p)
     return x.softmax(-1)
 
 
@@ -144,19 +145,20 @@ class Speculator:
 
     def __init__(self, engine):
         self.engine = engine
+        self.steering = engine.steering
+        self.sampler = Sampler(engine.cfg.vocab_size)  # for its masks: drafts and verification run here
         self.lookup = PromptLookup()
         self._draft_model: DraftModel | None = None
         self.adaptive: dict[int, _Adaptive] = {}  # by seq_id
         self.t_target = NOMINAL_T_TARGET  # seconds per verification forward, running estimate
         self.t_draft = dict(NOMINAL_T_DRAFT)  # seconds per drafted position, per source
-        self._t_launch = 0.0
 
     @property
     def draft_model(self) -> DraftModel:
         """The engine's draft model (built on first use: a ValueError for a bad spec)."""
         if self._draft_model is None:
             eng = self.engine
-            model = build_draft_model(eng.draft_model, eng.model)
+            model = build_draft_model(eng.config.draft_model, eng.model)
             self._draft_model = DraftModel(model, eng.block_manager.num_blocks, eng.block_manager.block_size)
         return self._draft_model
 
@@ -167,16 +169,14 @@ class Speculator:
 
     # -- drafting ------------------------------------------------------------------------------
 
-    def propose(self, deltas) -> None:
+    def propose(self, deltas, busy, limit: int | None) -> None:
+        """Draft for the speculative sequences the scheduler will take next (`limit`: the most it
+        takes; `busy`: sequences in a step in flight, left alone)."""
         eng = self.engine
-        running = eng.scheduler.running
+        running = [s for s in eng.scheduler.running if s.seq_id not in busy][:limit]
         candidates = [s for s in running if s.params.speculative and s.num_pending == 1 and s.num_cached > 0
-                      and s.deferred is None and s.draft is None]
+                      and (s.cursor is None or s.cursor.wants_call) and s.draft is None]
         if not candidates:
-            return
-        if not getattr(eng.runner, "multi_row_logits", False):  # the target cannot verify: plain steps
-            for seq in candidates:
-                self._stats(seq).fallbacks += 1
             return
         # Room for the drafts in this step's token budget and in the free KV blocks, so that the
         # scheduler takes every drafted sequence whole (no preemption, no partial feed).
@@ -207,11 +207,7 @@ class Speculator:
 
     def _draft(self, drafts: dict) -> None:
         # The first call reports what the normal step would (the pending token, a backtrack...).
-        tell = {}
-        for seq in drafts:
-            if seq.controller is not None:
-                tell[seq] = (seq.ctl_branch, seq.ctl_backtrack, seq.ctl_append)
-                seq.ctl_branch, seq.ctl_backtrack, seq.ctl_append = 0, 0, []
+        tell = {seq: seq.cursor.call() for seq in drafts if seq.cursor is not None}
         while True:
             t0 = time.perf_counter()
             tasks = self._start_calls(tell)
@@ -239,7 +235,8 @@ class Speculator:
                 d = drafts[seq]
                 d.steps.append(step)
                 d.tokens.extend(step.tokens)
-                if seq.controller is not None:
+                if seq.cursor is not None:
+                    seq.cursor.told(step.tokens)
                     tell[seq] = (0, 0, step.tokens)
             if active:
                 n = sum(1 for s in active if not drafts[s].done)
@@ -254,7 +251,7 @@ class Speculator:
 
     def _start_calls(self, tell: dict) -> list:
         """The controllers' mid_process calls, answered as (seq, answer, seconds)."""
-        return self.engine.submit_calls([(seq, seq.controller, *args) for seq, args in tell.items()])
+        return self.engine.calls.submit([(seq, seq.cursor.controller, *args) for seq, args in tell.items()])
 
     def _next_step(self, seq, d: Draft, draft_logits) -> _Step | None:
         """The next drafted position under the controller's latest answer, or None to end the
@@ -262,7 +259,7 @@ class Speculator:
         if sum(not s.forced for s in d.steps) >= d.k:
             return None
         branch = None
-        if seq.controller is not None:
+        if seq.cursor is not None:
             answer = d.answer
             if isinstance(answer, BaseException) or len(answer) != 1 or answer[0].backtrack:
                 return None  # a failure, a stop, a fork or a backtrack: the ordinary path applies it
@@ -275,11 +272,9 @@ class Speculator:
             if d.ctl_time > 0.5 * self.t_target and seq.params.seed is None:  # the controller's draft budget is spent
                 return None
         token, q = self._propose(seq, d, branch, draft_logits)
-        if token is None or (token in self.engine.tokenizer.stop_token_ids and not seq.params.ignore_eos):
+        if token is None or ends_sequence(token, seq, self.steering.stop_ids):
             return None  # an end of sequence is left to the target to sample
-        tokens = [token]
-        if branch is not None:
-            tokens = next((list(ff) for ff in branch.ff if ff[0] == token), tokens)
+        tokens = tokens_after(branch, token)
         if len(d.tokens) + len(tokens) > d.room:
             return None
         if branch is not None and branch.mask is not None:
@@ -299,14 +294,14 @@ class Speculator:
                 return None, None
             token = d.lookup.pop(0)
             d.lookup_at = len(d.tokens) + 1
-            if mask is not None and not (int(mask[token >> 5]) >> (token & 31)) & 1:
+            if not mask_allows(mask, token):
                 return None, None
             return token, None
         if draft_logits is None:
             return None, None
         row = draft_logits.clone()
         if mask is not None:
-            self.engine.sampler.apply_masks(row.unsqueeze(0), [mask])
+            self.sampler.apply_masks(row.unsqueeze(0), [mask])
         if torch.isneginf(row.max()):
             return None, None
         if seq.params.temperature == 0:
@@ -316,7 +311,7 @@ class Speculator:
 
     # -- scheduling ----------------------------------------------------------------------------
 
-    def settle(self, batch: list, deltas) -> list:
+    def settle(self, batch: list, deltas, busy) -> None:
         """Mark the verification rows of drafted sequences in the scheduled batch; count forwards."""
         for entry in batch:
             seq = entry.seq
@@ -326,35 +321,48 @@ class Speculator:
             if seq.draft is not None:
                 entry.logit_rows = 1 + len(seq.draft.tokens)
         scheduled = {e.seq.seq_id for e in batch if e.sample}
-        for seq in list(self.engine.scheduler.running):
-            if seq.draft is not None and seq.seq_id not in scheduled:  # propose() reserved room: never
-                self._undo(seq, deltas)
-        self._t_launch = time.perf_counter()
-        return batch
+        for seq in self.engine.scheduler.running:
+            if seq.draft is not None and seq.seq_id not in scheduled and seq.seq_id not in busy:
+                self._undo(seq)  # propose() reserved its room, so this should not happen
 
-    def _undo(self, seq, deltas) -> None:
+    def _undo(self, seq) -> None:
+        """Drop a draft that will not be verified: its tokens go, and the controller (told them
+        while drafting) takes them back at its next call."""
         d, seq.draft = seq.draft, None
         del seq.token_ids[d.base:]
-        eng = self.engine
-        eng._fail_request(eng.requests[seq.request_id], "internal error: a speculative draft was not scheduled", deltas)
+        if seq.cursor is not None:
+            seq.cursor.settle_draft()
 
     # -- verification --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def verify(self, seq, logits: torch.Tensor, row: int, deltas) -> list:
-        """Accept the longest agreeing prefix of the draft; returns the rows the engine samples."""
-        eng = self.engine
+    def verify(self, drafted: list, rows: dict, flight, deltas) -> list[Sample]:
+        """Verify the drafts of a completed step (its logits rows fetched in one call); returns
+        the rows the engine samples (the controllers' answers after fully accepted drafts)."""
+        sizes = [len(seq.draft.tokens) for seq in drafted]
+        wanted = [r for seq, n in zip(drafted, sizes) for r in range(rows[seq.seq_id], rows[seq.seq_id] + n)]
+        fetched = self.engine.runner.logits(flight.handle, wanted) if wanted else None
+        elapsed = time.perf_counter() - flight.launched
+        samples, at = [], 0
+        for seq, n in zip(drafted, sizes):
+            at += n
+            if seq.finished:  # another sequence of its request failed while verifying (a fork)
+                continue
+            self.t_target = _EMA * self.t_target + (1 - _EMA) * elapsed / (1 + ROW_COST * n)
+            samples.extend(self._verify_one(seq, fetched[at - n:at] if n else None, rows[seq.seq_id], deltas))
+        return samples
+
+    def _verify_one(self, seq, logits, row: int, deltas) -> list[Sample]:
+        """Accept the longest agreeing prefix of the draft (`logits`: one row per drafted position)."""
         d, seq.draft = seq.draft, None
         n_drafted = len(d.tokens)
         del seq.token_ids[d.base:]  # re-appended below as they are accepted
-        one_row = (time.perf_counter() - self._t_launch) / (1 + ROW_COST * n_drafted)
-        self.t_target = _EMA * self.t_target + (1 - _EMA) * one_row
         stats = self._stats(seq)
         stats.spec_steps += 1
         kept, accepted, rejected, corrected = 0, [], None, None
         for step in d.steps:
             if not step.forced:
-                ok, token = self._check(seq, logits[row + kept], step)
+                ok, token = self._check(seq, logits[kept], step)
                 stats.drafted += 1
                 if not ok:
                     rejected, corrected = step, token
@@ -367,41 +375,27 @@ class Speculator:
         self.adaptive[seq.seq_id].observe(sum(not s.forced for s in accepted), rejected is not None)
 
         if kept < n_drafted:  # rewind the target's cache past the accepted tokens
-            eng.block_manager.pop(seq.seq_id, n_drafted - kept)
+            self.engine.block_manager.pop(seq.seq_id, n_drafted - kept)
             seq.num_cached -= n_drafted - kept
-        if seq.controller is not None:  # it was told every draft token
-            seq.ctl_backtrack += n_drafted - kept
-        usage = seq.usage  # a verified token counts as sampled (plus its ff list); a forced one as ff
-        for step in accepted:
-            usage.sampled_tokens += not step.forced
-            usage.ff_tokens += len(step.tokens) - (not step.forced)
-            deltas.append(eng._append(seq, list(step.tokens)))
+        for step in accepted:  # a verified token counts as sampled (plus its ff list); a forced one as ff
+            deltas.append(self.steering.append(seq, list(step.tokens), sampled=0 if step.forced else 1))
             if seq.finished:
                 return []
-        seq.ctl_append.clear()  # the controller has seen the accepted tokens
+        if seq.cursor is not None:
+            seq.cursor.settle_draft()  # it was told every draft token: the rejected ones go back
         if rejected is not None:
-            if corrected in eng.tokenizer.stop_token_ids and not seq.params.ignore_eos:
-                deltas.append(eng._finish_delta(seq, "stop"))
-                return []
-            tokens = [corrected]
-            if rejected.branch is not None:
-                tokens = next((list(ff) for ff in rejected.branch.ff if ff[0] == corrected), tokens)
-            usage.sampled_tokens += 1
-            usage.ff_tokens += len(tokens) - 1
-            deltas.append(eng._append(seq, tokens))
+            self.steering.take_sample(seq, rejected.branch, corrected, None, deltas)
             return []
         end = row + n_drafted  # the position after the draft: the controller's last answer applies
-        if seq.controller is None:
-            from .llm_engine import _Sample
-
-            return [_Sample(seq, end, None)]
-        return eng._take_branches(seq, end, d.answer, deltas)
+        if seq.cursor is None:
+            return [Sample(seq, end, None)]
+        return self.steering.apply_answer(seq, end, d.answer, deltas)
 
     def _check(self, seq, row: torch.Tensor, step: _Step) -> tuple[bool, int]:
         """(accepted, the token the target puts there instead when not)."""
         token = step.tokens[0]
         if step.branch is not None and step.branch.mask is not None:
-            self.engine.sampler.apply_masks(row.unsqueeze(0), [step.branch.mask])
+            self.sampler.apply_masks(row.unsqueeze(0), [step.branch.mask])
         params = seq.params
         if params.temperature == 0:
             best = int(row.numpy().argmax())
@@ -422,7 +416,7 @@ class Speculator:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _stats(self, seq) -> SpecStats:
-        req = self.engine.requests[seq.request_id]
+        req = seq.request
         if req.spec_stats is None:
             req.spec_stats = SpecStats()
         return req.spec_stats

@@ -43,17 +43,16 @@ def _cpu_fingerprint() -> str:
 
 
 def _build() -> Path:
-    from ..model_files import rudder_home
+    from ..paths import native_dir, zig_cache_dir
 
     source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + _cpu_fingerprint().encode()).hexdigest()[:16]
     suffix = ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
-    out = rudder_home() / "native" / f"rudder-native-{key}{suffix}"
+    out = native_dir() / f"rudder-native-{key}{suffix}"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, ZIG_GLOBAL_CACHE_DIR=str(rudder_home() / "zig-cache"),
-               ZIG_LOCAL_CACHE_DIR=str(rudder_home() / "zig-cache"))
+    env = dict(os.environ, ZIG_GLOBAL_CACHE_DIR=str(zig_cache_dir()), ZIG_LOCAL_CACHE_DIR=str(zig_cache_dir()))
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         cmd = [sys.executable, "-m", "ziglang", "cc", "-O3", "-mcpu=native", "-shared", "-fPIC",

@@ -22,13 +22,17 @@ from collections import deque
 import numpy as np
 import torch
 
-from .. import SHORT_OMP_SPIN
-from ..engine.llm_engine import RunnerFailure
-from ..engine.model_runner import ScheduledSeq, StepArrays
+from ..omp import SHORT_OMP_SPIN
+from ..branch import mask_words
+from ..engine.kv_cache import KVCache
+from ..engine.runner import Capabilities, RunnerFailure
 from ..engine.sampler import SampleOutput
+from ..engine.step import ScheduledSeq, StepArrays
+from ..loading import load_config
 from .partition import StageSpec, partition
-from .stage import SPEC_COLS, encode_plan, serve_stage, stop_message, use_threads
-from .stage_model import StageModel, build_stage_model, load_config_for
+from .protocol import SpecHeader, decode_logprobs, encode_plan, encode_spec, logprob_words, stop_message
+from .stage import serve_stage, use_threads
+from .stage_model import StageModel, build_stage_model
 from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, connect, rank_device, torchrun_env
 
 
@@ -45,18 +49,23 @@ class _Step:
 
 
 class PipelineRunner:
+    """The Runner (engine/runner.py) of a pipeline: rank 0's side."""
+
+    capabilities = Capabilities(verify_rows=True, sample_at_launch=True, shares_cores=True)
+
     def __init__(self, model: StageModel, num_blocks: int, block_size: int, link: Link,
                  children: list[subprocess.Popen] | None = None, threads_before: int | None = None,
-                 threads: int | None = None, shared_threads: int | None = None):
+                 threads: int | None = None, shared_threads: int | None = None, store=None):
         cfg = model.cfg
         self.model = model
         self.link = link
+        self.store = store  # the rendezvous store, where stages leave their stats at exit
         self.block_size = block_size
         self.num_stages = model.stage.num_stages
         self.last = self.num_stages - 1
-        self.num_words = (cfg.vocab_size + 31) // 32
-        self.kv_cache = torch.zeros(model.stage.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=torch.float32, device=model.rope_cos.device)
+        self.vocab_size = cfg.vocab_size
+        self.num_words = mask_words(cfg.vocab_size)
+        self.kv_cache = KVCache(cfg, num_blocks, block_size, model.rope_cos.device, num_layers=model.stage.num_layers)
         self.children = children or []
         self._copies: list[tuple[int, int]] = []
         self._open: deque[_Step] = deque()  # steps with rows: a spec still to send or tokens to take
@@ -69,7 +78,6 @@ class PipelineRunner:
         # stages take turns, so on one machine each may use the cores of all (shared_threads).
         self.threads = threads or torch.get_num_threads()
         self.shared_threads = shared_threads or self.threads
-        self.alone = False  # set by the engine before each launch
         self.failure: str | None = None
         self.closed = False
         self._stop_watch = threading.Event()
@@ -82,15 +90,15 @@ class PipelineRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self._copies.extend(copies)
 
-    def run(self, batch: list[ScheduledSeq]) -> _Step:
+    def run(self, batch: list[ScheduledSeq], alone: bool = False, early: list | None = None) -> _Step:
         self._check()
         arrays = StepArrays.of(batch)
         copies, self._copies = self._copies, []
         step = _Step(self._steps, len(arrays.sample_rows))
         try:
             self.link.step = step.index
-            spec = self._early_spec(step, batch) if step.open else None
-            threads = self.shared_threads if self.alone else self.threads
+            spec = self._early_spec(step, early) if step.open and early is not None else None
+            threads = self.shared_threads if alone else self.threads
             message, payload = encode_plan(arrays, copies, step.index, self._done, threads, spec)
             self._send_plan(message, payload)
             self._steps += 1
@@ -98,10 +106,9 @@ class PipelineRunner:
             use_threads(threads if SHORT_OMP_SPIN else self.threads)
             started = time.perf_counter()
             with torch.inference_mode():
-                for src, dst in copies:
-                    self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+                self.kv_cache.copy_blocks(copies)
                 input_ids, positions, meta, _ = arrays.tensors(self.block_size, self.kv_cache.device)
-                hidden = self.model(input_ids, positions, meta, self.kv_cache)
+                hidden = self.model(input_ids, positions, meta, self.kv_cache.tensor)
             self.busy_s += time.perf_counter() - started
             self.link.send(hidden, 1, ACT)
             # The sends of steps whose tokens came back, forgotten while the other stages compute
@@ -119,39 +126,37 @@ class PipelineRunner:
             if payload is not None:
                 self.link.send(payload, rank, PLAN)
 
-    def _early_spec(self, step: _Step, batch: list[ScheduledSeq]) -> np.ndarray | None:
-        """A step none of whose sampling rows has a controller samples every row, unmasked, with
-        params known now: its spec goes with the plan, so the last stage samples as soon as its
-        logits are ready instead of waiting for the coordinator (which is computing stage 0 of
-        the next micro-batch by then), and no message of its own is sent. The uniforms are drawn
-        now from the sequences' own Generators: the same values the engine's sample call would
-        draw (each draws once per sampled step, and a sequence is in one step in flight at most)."""
-        seqs = [e.seq for e in batch if e.sample]
-        if any(s.controller is not None or s.deferred is not None for s in seqs):
-            return None
-        step.early = [s.params for s in seqs]
-        return self._spec(list(range(len(seqs))), step.early, [s.rng for s in seqs], [None] * len(seqs))[0]
-
-    def _spec(self, rows: list[int], params: list, rngs: list, masks: list) -> tuple[np.ndarray, list]:
-        n = len(rows)
-        spec = np.zeros((n, SPEC_COLS), dtype=np.float64)
-        packed = []
-        for j, (row, p, rng, mask) in enumerate(zip(rows, params, rngs, masks)):
-            if mask is not None:
-                if mask.dtype != np.uint32 or mask.shape != (self.num_words,):
-                    raise ValueError(f"sample mask must be {self.num_words} uint32 words, got {mask.dtype} {mask.shape}")
-                packed.append(mask)
-            # One uniform per sampled (temperature > 0) row, drawn exactly as Sampler._sample_rows does.
-            u = rng.random() if p.temperature > 0 else 0.0
-            spec[j] = (row, p.top_k, -1 if p.logprobs is None else p.logprobs, len(packed) - 1 if mask is not None else -1,
-                       p.temperature, p.top_p, u)
-        return spec, packed
+    def _early_spec(self, step: _Step, early: list) -> np.ndarray:
+        """A step none of whose sampling rows has a controller (the engine passes `early` only
+        then) samples every row, unmasked, with params known now: its spec goes with the plan, so
+        the last stage samples as soon as its logits are ready instead of waiting for the
+        coordinator (which is computing stage 0 of the next micro-batch by then), and no message
+        of its own is sent. The uniforms are drawn now from the sequences' own Generators: the
+        same values the engine's sample call would draw (each draws once per sampled step, and a
+        sequence is in one step in flight at most)."""
+        step.early = [p for p, _ in early]
+        return encode_spec(list(range(len(early))), step.early, [g for _, g in early], [None] * len(early),
+                           self.num_words)[0]
 
     def _send_spec(self, spec: np.ndarray, packed: list) -> None:
-        self.link.send(torch.tensor([len(spec), len(packed)], dtype=torch.int64), self.last, SPEC)
+        self.link.send(SpecHeader(len(spec), len(packed), 0).tensor(), self.last, SPEC)
         self.link.send(torch.from_numpy(spec), self.last, SPEC)
         if packed:
             self.link.send(torch.from_numpy(np.stack(packed).view(np.int32)), self.last, SPEC)
+
+    def logits(self, step: _Step, rows: list[int]) -> torch.Tensor:
+        """Rows of the step's logits, from the last stage (speculative verification): one round
+        trip; the step's sampling spec follows later as usual."""
+        self._check()
+        if step.early is not None or not step.open:
+            raise ValueError("this step's logits were sampled with its plan")
+        self._drop_older(step)
+        try:
+            self.link.send(SpecHeader(0, 0, len(rows)).tensor(), self.last, SPEC)
+            self.link.send(torch.tensor(rows, dtype=torch.int64), self.last, SPEC)
+            return self.link.recv((len(rows), self.vocab_size), torch.float32, self.last, TOKENS).clone()
+        except LinkError as e:
+            self._fail(e)
 
     def sample(self, step: _Step, rows: list[int], params: list, rngs: list, masks: list) -> SampleOutput:
         self._check()
@@ -163,7 +168,7 @@ class PipelineRunner:
             self._settle(step)
             out = self._take_tokens(step, step.early)
             return SampleOutput([out.tokens[r] for r in rows], [out.logprobs[r] for r in rows])
-        spec = self._spec(rows, params, rngs, masks)
+        spec = encode_spec(rows, params, rngs, masks, self.num_words)
         self._settle(step)
         try:
             self._send_spec(*spec)
@@ -173,37 +178,28 @@ class PipelineRunner:
 
     def _take_tokens(self, step: _Step, params: list) -> SampleOutput:
         """Receive one step's tokens (and logprobs where asked for) from the last stage."""
-        n = len(params)
         try:
-            tokens = self.link.recv(n, torch.int32, self.last, TOKENS).tolist()
-            want = [p.logprobs for p in params if p.logprobs is not None]
-            extra = (self.link.recv(sum(1 + 2 * k for k in want), torch.float64, self.last, TOKENS).tolist()
-                     if want else [])
+            tokens = self.link.recv(len(params), torch.int32, self.last, TOKENS).tolist()
+            words = logprob_words(params)
+            extra = self.link.recv(words, torch.float64, self.last, TOKENS).tolist() if words else []
             self._done = max(self._done, step.index)
         except LinkError as e:
             self._fail(e)
-        logprobs: list[dict | None] = [None] * n
-        at = 0
-        for j, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            k = p.logprobs
-            chunk, at = extra[at: at + 1 + 2 * k], at + 1 + 2 * k
-            if tokens[j] >= 0:
-                logprobs[j] = {"token": tokens[j], "logprob": chunk[0],
-                               "top": list(zip((int(t) for t in chunk[1: 1 + k]), chunk[1 + k:]))}
-        return SampleOutput(tokens, logprobs)
+        return SampleOutput(tokens, decode_logprobs(params, tokens, extra))
 
-    def _settle(self, step: _Step) -> None:
+    def _drop_older(self, step: _Step) -> None:
         """The last stage takes sampling specs, and sends tokens, in step order: older steps
         that were abandoned (an exception between run and sample) get an empty spec or have
         their tokens taken and dropped first."""
-        while self._open:
+        while self._open and self._open[0] is not step:
             older = self._open.popleft()
-            if older is step:
-                break
             older.open = False
             self._drop(older)
+
+    def _settle(self, step: _Step) -> None:
+        self._drop_older(step)
+        if self._open:
+            self._open.popleft()
         step.open = False
 
     def skip(self, step: _Step) -> None:
@@ -217,7 +213,7 @@ class PipelineRunner:
             self._take_tokens(step, step.early)
             return
         try:
-            self.link.send(torch.tensor([0, 0], dtype=torch.int64), self.last, SPEC)
+            self.link.send(SpecHeader(0, 0, 0).tensor(), self.last, SPEC)
         except LinkError as e:
             self._fail(e)
 
@@ -297,7 +293,7 @@ class PipelineRunner:
             torch.set_num_threads(self._threads_before)
 
     def _read_stats(self) -> None:
-        store = getattr(self, "store", None)
+        store = self.store
         for rank in range(1, self.num_stages):
             try:
                 if store is not None and store.check([f"stats/{rank}"]):
@@ -333,7 +329,7 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
 
     Launched by torchrun (RANK/WORLD_SIZE/MASTER_ADDR set), ranks > 0 serve their stage right
     here and then exit the process; only rank 0 returns."""
-    cfg = load_config_for(spec)
+    cfg = load_config(spec)
     plan = partition(cfg.num_layers, stages)
     world = len(plan)
     env = torchrun_env()
@@ -376,9 +372,7 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
             raise
         torch.set_num_threads(threads)
         # The local stages share this machine's cores.
-        runner = PipelineRunner(model, num_blocks, bs, link, children, threads_before, threads, threads * world)
-        runner.store = store
-        return runner
+        return PipelineRunner(model, num_blocks, bs, link, children, threads_before, threads, threads * world, store)
 
     return model, factory
 

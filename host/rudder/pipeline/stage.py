@@ -19,75 +19,16 @@ import traceback
 import numpy as np
 import torch
 
-from ..engine.model_runner import StepArrays
+from ..branch import mask_words
+from ..engine.kv_cache import KVCache
 from ..engine.sampler import Sampler
-from ..engine.sequence import SamplingParams
+from ..engine.step import StepArrays
+from ..loading import load_config
 from .partition import partition
+from .protocol import (INLINE, OP_STOP, PLAN_WORDS, SPEC_COLS, PlanHeader, SpecHeader, decode_plan, encode_logprobs,
+                       sampling_inputs)
 from .stage_model import StageModel, build_stage_model
 from .transport import ACT, PLAN, SPEC, TOKENS, Link, LinkError, connect, rank_device
-
-OP_STOP, OP_STEP = 0, 1
-# op, B, T, table blocks, copies, sample rows, step, the last step whose tokens rank 0 has, torch
-# threads for the step, and the rows of a sampling spec that came with the plan (0: it follows on
-# the SPEC stream)
-HEADER = 10
-# A plan message is the header plus up to this many payload words, so a small step (a few
-# sequences decoding) is one message: every message on the step's path costs a wake-up of the
-# receiving process. A larger payload follows as a second message.
-INLINE = 118
-PLAN_WORDS = HEADER + INLINE
-SPEC_COLS = 7  # row, top_k, logprobs (-1: none), mask index (-1: none), temperature, top_p, uniform
-
-
-class FixedUniform:
-    """Stands in for a sequence's Generator on the last stage: the coordinator drew the uniform."""
-
-    def __init__(self, u: float):
-        self.u = u
-
-    def random(self) -> float:
-        return self.u
-
-
-def encode_plan(arrays: StepArrays, copies: list[tuple[int, int]], step: int, done: int, threads: int,
-                spec: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The plan message (header and, when it fits, the payload) and the payload message when it
-    does not fit; `spec`: the step's sampling spec when it is known at launch (float64 rows,
-    carried bit for bit in the int64 payload)."""
-    copies_arr = np.asarray(copies, dtype=np.int64).reshape(-1)
-    spec_arr = np.zeros(0, dtype=np.int64) if spec is None else np.ascontiguousarray(spec, np.float64).view(np.int64)
-    header = [OP_STEP, len(arrays.counts), len(arrays.slot_mapping), arrays.tables.shape[1], len(copies),
-              len(arrays.sample_rows), step, done, threads, 0 if spec is None else len(spec)]
-    payload = np.concatenate([arrays.counts, arrays.starts, arrays.slot_mapping, arrays.tables.reshape(-1),
-                              copies_arr, arrays.sample_rows, spec_arr.reshape(-1)])
-    message = np.zeros(PLAN_WORDS, dtype=np.int64)
-    message[:HEADER] = header
-    if len(payload) <= INLINE:
-        message[HEADER:HEADER + len(payload)] = payload
-        return torch.from_numpy(message), None
-    return torch.from_numpy(message), torch.from_numpy(payload)
-
-
-def stop_message() -> torch.Tensor:
-    message = torch.zeros(PLAN_WORDS, dtype=torch.int64)
-    message[0] = OP_STOP
-    return message
-
-
-def decode_plan(header: np.ndarray, payload: np.ndarray):
-    """(StepArrays, copies, the spec that came with the plan or None), as views of `payload`."""
-    _, B, T, NTB, C, R, _, _, _, S = header.tolist()
-    tables, copies = 2 * B + T, 2 * B + T + B * NTB
-    rows = copies + 2 * C
-    arrays = StepArrays(payload[:B], payload[B:2 * B], payload[2 * B:tables], payload[tables:copies].reshape(B, NTB),
-                        payload[rows:rows + R])
-    return (arrays, [(a, b) for a, b in payload[copies:rows].reshape(C, 2).tolist()],
-            payload[rows + R:rows + R + S * SPEC_COLS].view(np.float64).reshape(S, SPEC_COLS) if S else None)
-
-
-def plan_size(header: np.ndarray) -> int:
-    _, B, T, NTB, C, R, _, _, _, S = header[:HEADER].tolist()
-    return 2 * B + T + B * NTB + 2 * C + R + S * SPEC_COLS
 
 
 def use_threads(n: int) -> None:
@@ -102,28 +43,28 @@ class Stage:
         self.model, self.link, self.block_size = model, link, block_size
         self.rank, self.last = model.stage.index, model.stage.is_last
         self.device = model.rope_cos.device
-        self.kv_cache = torch.zeros(model.stage.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=torch.float32, device=self.device)
+        self.kv_cache = KVCache(cfg, num_blocks, block_size, self.device, num_layers=model.stage.num_layers)
         self.sampler = Sampler(cfg.vocab_size) if self.last else None
-        self.num_words = (cfg.vocab_size + 31) // 32
+        self.num_words = mask_words(cfg.vocab_size)
 
     def serve(self, store=None) -> None:
         link = self.link
         busy, first = 0.0, None
         while True:
             message = link.recv(PLAN_WORDS, torch.int64, 0, PLAN, forever=True).numpy()
-            header, size = message[:HEADER], plan_size(message)
-            if header[0] == OP_STOP:
+            header = PlanHeader.of(message)
+            size = header.payload_size()
+            if header.op == OP_STOP:
                 link.flush()
                 if store is not None and first is not None:  # for the bubble measurement
                     store.set(f"stats/{self.rank}", json.dumps({"busy_s": busy, "wall_s": time.perf_counter() - first}))
                 return
-            payload = (message[HEADER:HEADER + size] if size <= INLINE
+            payload = (message[PlanHeader.WORDS:PlanHeader.WORDS + size] if size <= INLINE
                        else link.recv(size, torch.int64, 0, PLAN).numpy())
             arrays, copies, spec = decode_plan(header, payload)
-            link.step = int(header[6])
-            link.release(int(header[7]))  # rank 0 has those steps' tokens: their sends were all received
-            use_threads(int(header[8]))
+            link.step = header.step
+            link.release(header.done)  # rank 0 has those steps' tokens: their sends were all received
+            use_threads(header.threads)
             first = first or time.perf_counter()
             busy += self.step(arrays, copies, spec)
 
@@ -133,12 +74,11 @@ class Stage:
         # While the previous stage computes: the attention metadata, and a spec that came with
         # the plan read into the sampler's arguments.
         _, positions, meta, sample_rows = arrays.tensors(self.block_size, self.device)
-        inputs = _sampling_inputs(spec, None) if spec is not None and self.last else None
+        inputs = sampling_inputs(spec, None) if spec is not None and self.last else None
         x = self.link.recv((len(arrays.slot_mapping), self.model.cfg.hidden_size), torch.float32, self.rank - 1, ACT)
         started = time.perf_counter()
-        for src, dst in copies:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        hidden = self.model(x, positions, meta, self.kv_cache)
+        self.kv_cache.copy_blocks(copies)
+        hidden = self.model(x, positions, meta, self.kv_cache.tensor)
         if not self.last:
             busy = time.perf_counter() - started
             self.link.send(hidden, self.rank + 1, ACT)
@@ -151,45 +91,31 @@ class Stage:
 
     def sample(self, logits: torch.Tensor, inputs: tuple | None) -> float:
         """Sample under the spec that came with the plan (`inputs`: unmasked), or under the next
-        one of the SPEC stream (rank 0 sends it once the step's controllers are done)."""
+        one of the SPEC stream (rank 0 sends it once the step's controllers are done), sending
+        back the logits rows it asks for first (speculative verification)."""
         link = self.link
-        if inputs is None:
-            n, num_masks = (int(v) for v in link.recv(2, torch.int64, 0, SPEC))
-            if n == 0:
+        while inputs is None:
+            header = SpecHeader(*(int(v) for v in link.recv(SpecHeader.WORDS, torch.int64, 0, SPEC)))
+            if header.fetch:
+                rows = link.recv(header.fetch, torch.int64, 0, SPEC).to(logits.device)
+                link.send(logits.index_select(0, rows).contiguous(), 0, TOKENS)
+                continue
+            if header.rows == 0:
                 return 0.0
-            spec = link.recv((n, SPEC_COLS), torch.float64, 0, SPEC).numpy()
-            masks = (link.recv((num_masks, self.num_words), torch.int32, 0, SPEC).numpy().view(np.uint32)
-                     if num_masks else None)
-            inputs = _sampling_inputs(spec, masks)
+            spec = link.recv((header.rows, SPEC_COLS), torch.float64, 0, SPEC).numpy()
+            masks = (link.recv((header.masks, self.num_words), torch.int32, 0, SPEC).numpy().view(np.uint32)
+                     if header.masks else None)
+            inputs = sampling_inputs(spec, masks)
         started = time.perf_counter()
         rows, params, uniforms, row_masks = inputs
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         out = self.sampler.sample(logits, params, uniforms, row_masks)
         link.send(torch.tensor(out.tokens, dtype=torch.int32), 0, TOKENS)
-        extra = []
-        for p, lp in zip(params, out.logprobs):
-            if p.logprobs is None:
-                continue
-            k = p.logprobs
-            if lp is None:
-                extra.append(np.zeros(1 + 2 * k))
-            else:
-                ids = [t for t, _ in lp["top"]]
-                values = [v for _, v in lp["top"]]
-                extra.append(np.array([lp["logprob"], *ids, *values], dtype=np.float64))
-        if extra:
-            link.send(torch.from_numpy(np.concatenate(extra)), 0, TOKENS)
+        extra = encode_logprobs(params, out)
+        if extra is not None:
+            link.send(torch.from_numpy(extra), 0, TOKENS)
         return time.perf_counter() - started
-
-
-def _sampling_inputs(spec: np.ndarray, masks: np.ndarray | None) -> tuple:
-    """The Sampler's arguments from a sampling spec: (logits rows, params, generators, masks)."""
-    params = [SamplingParams(temperature=t, top_k=int(k), top_p=p, logprobs=None if lp < 0 else int(lp))
-              for k, lp, t, p in spec[:, [1, 2, 4, 5]].tolist()]
-    row_masks = [None if m < 0 else masks[int(m)] for m in spec[:, 3].tolist()]
-    return (spec[:, 0].astype(np.int64).tolist(), params, [FixedUniform(u) for u in spec[:, 6].tolist()],
-            row_masks if masks is not None else None)
 
 
 def _watch_parent() -> None:
@@ -221,9 +147,7 @@ def serve_stage(spec: str, stages, rank: int, world: int, num_blocks: int, block
 
 
 def _num_layers(spec: str) -> int:
-    from .stage_model import load_config_for
-
-    return load_config_for(spec).num_layers
+    return load_config(spec).num_layers
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..loading import tiny_config
 from ..packed_linear import pack_linears
 from ..model import AttentionMetadata, DecoderLayer, RMSNorm, build_model, fuse_projections, rope_tables
 from .partition import StageSpec
@@ -62,10 +63,8 @@ def stage_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, stag
 def build_stage_model(spec: str, stage: StageSpec, device: str | torch.device = "cpu") -> StageModel:
     """The stage of model `spec` ("tiny", "smollm2", a folder or a .gguf), loaded from the same
     checkpoint every stage reads (memory-mapped: a stage touches only its own tensors)."""
-    from ..llm import tiny_config
-
-    if tiny_config(spec) is not None:
-        cfg = tiny_config(spec)
+    cfg = tiny_config(spec)
+    if cfg is not None:
         full = build_model(cfg, None, "cpu").state_dict()
     else:
         from ..weights import load_checkpoint
@@ -83,14 +82,3 @@ def build_stage_model(spec: str, stage: StageSpec, device: str | torch.device = 
     model.load_state_dict({k: weights[k].to(device=device, dtype=torch.float32) for k in expected}, strict=True,
                           assign=True)
     return pack_linears(model.eval().requires_grad_(False))
-
-
-def load_config_for(spec: str) -> ModelConfig:
-    """The model config of `spec` without loading any weights."""
-    from ..llm import tiny_config
-
-    if tiny_config(spec) is not None:
-        return tiny_config(spec)
-    from ..weights import load_checkpoint
-
-    return load_checkpoint(spec, progress=False)[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..controller.errors import KINDS, ControllerError
 
-EMPTY_MASK = "the sample mask allowed no token"  # llm_engine._sample's words
+EMPTY_MASK = "the sample mask allowed no token"  # engine/branching.py's words (Steering.take_sample)
 
 STATUS = {
     "invalid_request": 400,
@@ -39,7 +39,7 @@ def controller_error(e: ControllerError) -> APIError:
 
 def from_finish(message: str, log_tail: str) -> APIError:
     """The error of a request the engine ended with finish_reason "error". The engine words a
-    controller's failure "controller <kind>: ..." (llm_engine._take_branches)."""
+    controller's failure "controller <kind>: ..." (engine/branching.py, Steering.apply_answer)."""
     words = message.split(":", 1)[0].split()
     if len(words) == 2 and words[0] == "controller":
         kind = words[1] if words[1] in KINDS or words[1] == "invalid_branch" else "error"

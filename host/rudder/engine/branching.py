@@ -1,0 +1,225 @@
+"""Branch semantics: the one place where a controller's answer changes a sequence (docs/abi.md,
+"What a Branch does").
+
+The rules (`check`, `tokens_after`, `ends_sequence`) and `Steering`, which applies them to
+sequences - backtrack, fast-forward, fork, defer, sample, append, finish - keeping the KV block
+tables, the streamed text and each controller's cursor in step. The engine loop, the
+speculative verifier and the pipeline all go through it; none of them edits a sequence itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from ..branch import Branch
+from .output import Delta
+from .sequence import Request, Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
+    from .scheduler import Scheduler
+
+__all__ = ["InvalidBranch", "Sample", "Steering", "check", "ends_sequence", "mask_allows", "tokens_after"]
+
+
+class InvalidBranch(ValueError):
+    """A Branch the sequence cannot take (too long a backtrack, an empty fast-forward...)."""
+
+
+@dataclass
+class Sample:
+    """A row to sample this step: which sequence, which logits row, under which Branch (None:
+    unconstrained). Forks of one sequence share a row."""
+
+    seq: Sequence
+    row: int
+    branch: Branch | None
+
+
+# -- the rules ---------------------------------------------------------------------------------
+
+
+def check(branch: Branch, length: int) -> None:
+    """Raise InvalidBranch unless a sequence of `length` tokens can take `branch`."""
+    n = branch.backtrack
+    if branch.mask is None and len(branch.ff) > 1:
+        raise InvalidBranch("several fast-forward lists need a mask")
+    if branch.mask is not None and any(not ff for ff in branch.ff):
+        raise InvalidBranch("fast-forward lists under a mask must not be empty")
+    appends = branch.appends
+    if not 0 <= n <= length or (n == length and not appends):
+        raise InvalidBranch(f"cannot backtrack {n} of {length} tokens and keep a non-empty sequence")
+    if not branch.samples and not appends and n == 0:
+        raise InvalidBranch("a branch must sample, fast-forward or backtrack")
+
+
+def tokens_after(branch: Branch | None, token: int) -> list[int]:
+    """What a sampled `token` appends: the first ff list of the Branch that starts with it, else
+    the token alone."""
+    if branch is not None:
+        for ff in branch.ff:
+            if ff[0] == token:
+                return list(ff)
+    return [token]
+
+
+def ends_sequence(token: int, seq: Sequence, stop_ids: frozenset[int] | set[int]) -> bool:
+    """Sampling a stop token ends the sequence (unless the request ignores EOS); it is not appended."""
+    return token in stop_ids and not seq.params.ignore_eos
+
+
+# -- applying them -----------------------------------------------------------------------------
+
+
+class Steering:
+    """Every change to a sequence, for one engine: its block manager (KV positions), scheduler
+    (who runs) and limits. `on_finish(seq)` lets the engine release what it holds for a
+    sequence (its controller, a speculative draft) when the sequence ends."""
+
+    def __init__(self, block_manager: "BlockManager", scheduler: "Scheduler", stop_ids, max_position: int,
+                 max_forks: int, on_finish: Callable[[Sequence], None]):
+        self.bm = block_manager
+        self.scheduler = scheduler
+        self.stop_ids = frozenset(stop_ids)
+        self.max_position = max_position
+        self.max_forks = max_forks
+        self.on_finish = on_finish
+
+    # -- a controller's answer
+
+    def apply_answer(self, seq: Sequence, row: int, answer, deltas: list[Delta]) -> list[Sample]:
+        """Apply what `mid_process` returned (a Branch list, or the exception it raised) to a
+        sequence whose logits are `row`; returns the rows that sample now. A controller's failure
+        or an invalid Branch ends its own request, nothing else."""
+        req = seq.request
+        try:
+            if isinstance(answer, BaseException):
+                raise answer
+            if not answer:
+                deltas.append(self.finish(seq, "stop"))
+                return []
+            if req.live + len(answer) - 1 > self.max_forks:
+                raise InvalidBranch(f"{len(answer)} branches would exceed {self.max_forks} live sequences")
+            forks = [seq] + [self.fork(seq, deltas) for _ in answer[1:]]
+            samples = []
+            for k, (s, branch) in enumerate(zip(forks, answer)):
+                s.cursor.took(k if len(answer) > 1 else 0)
+                if self.apply_branch(s, branch, deltas):
+                    samples.append(Sample(s, row, branch))
+            return samples
+        except Exception as e:  # noqa: BLE001  (whatever the controller did, only its request fails)
+            kind = getattr(e, "kind", None) or ("invalid_branch" if isinstance(e, InvalidBranch) else "error")
+            self.fail_request(req, f"controller {kind}: {e}", deltas)
+            return []
+
+    def apply_branch(self, seq: Sequence, branch: Branch, deltas: list[Delta]) -> bool:
+        """Backtrack and fast-forward; True when the sequence samples from this step's logits."""
+        check(branch, len(seq))
+        n, appends = branch.backtrack, branch.appends
+        if n:
+            deltas.append(self.backtrack(seq, n))
+            if not appends:
+                # Stale logits: drop one more position and re-feed it, then sample (docs/abi.md).
+                self.bm.pop(seq.seq_id, 1)
+                seq.num_cached -= 1
+                if branch.samples:
+                    seq.cursor.defer(branch)
+                return False
+        if appends:
+            deltas.append(self.append(seq, list(appends)))
+            return False
+        return True
+
+    def fork(self, parent: Sequence, deltas: list[Delta]) -> Sequence:
+        """A new sequence of the parent's request: its tokens, its KV blocks (shared,
+        copy-on-write), a copy of its controller and of its text; it runs from the next step."""
+        req = parent.request
+        child = Sequence(parent.token_ids, parent.params, parent.rng.spawn(1)[0], req, branch=len(req.seqs))
+        child.num_prompt, child.num_cached = parent.num_prompt, parent.num_cached
+        child.cursor = parent.cursor.fork()
+        child.output = parent.output.fork(child.output_ids)
+        req.usage.forks += 1
+        self.bm.fork(parent.seq_id, child.seq_id)
+        req.seqs.append(child)
+        self.scheduler.add_running(child)
+        deltas.append(Delta(req.request_id, child.branch, "", []))  # announces the fork before any text
+        return child
+
+    # -- a sampled token
+
+    def take_sample(self, seq: Sequence, branch: Branch | None, token: int, logprob: dict | None,
+                    deltas: list[Delta]) -> None:
+        """What a sampled token does: end the sequence (a stop token, or a mask that allowed
+        nothing: token -1), or append it with the ff list it selects."""
+        if token < 0:
+            deltas.append(self.finish(seq, "error", "the sample mask allowed no token"))
+            return
+        if ends_sequence(token, seq, self.stop_ids):
+            deltas.append(self.finish(seq, "stop"))
+            return
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        deltas.append(self.append(seq, tokens_after(branch, token), [logprob] if logprob else [], sampled=1))
+
+    # -- the edits themselves
+
+    def append(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None = None, sampled: int = 0) -> Delta:
+        """Append tokens (`sampled` of them drawn by the sampler, the rest fast-forwarded), stream
+        their text, check the stops (stop strings, max_tokens, the context)."""
+        usage = seq.request.usage
+        usage.sampled_tokens += sampled
+        usage.ff_tokens += len(tokens) - sampled
+        params, output = seq.params, seq.output
+        tokens = tokens[: max(params.max_tokens - seq.num_output, 0)]
+        seq.token_ids.extend(tokens)
+        if seq.cursor is not None:
+            seq.cursor.on_append(tokens)
+        text, hit_stop = output.add(tokens)
+        delta = Delta(seq.request_id, seq.branch, text, tokens, logprobs=logprobs or [])
+        reason = None
+        if hit_stop:
+            reason = "stop"
+        elif seq.num_output >= params.max_tokens or len(seq) >= self.max_position:
+            reason = "length"
+        if reason:
+            self._end(seq, reason)
+            delta.text += output.finish() if not hit_stop else ""
+            delta.finished, delta.finish_reason = True, reason
+        return delta
+
+    def backtrack(self, seq: Sequence, n: int) -> Delta:
+        """Remove the last n tokens: from the sequence, its KV positions, its logprobs and its text."""
+        del seq.token_ids[len(seq.token_ids) - n:]
+        self.bm.pop(seq.seq_id, n)
+        seq.num_cached -= n
+        seq.num_prompt = min(seq.num_prompt, len(seq.token_ids))
+        if seq.cursor is not None:
+            seq.cursor.on_backtrack(n)
+        del seq.logprobs[max(0, len(seq.logprobs) - n):]
+        chars = seq.output.pop(n)
+        return Delta(seq.request_id, seq.branch, "", [], backtrack_chars=chars, backtrack_tokens=n)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> Delta:
+        self._end(seq, reason, error)
+        return Delta(seq.request_id, seq.branch, seq.output.finish(), [], True, reason, error=error)
+
+    def fail_request(self, req: Request, message: str, deltas: list[Delta]) -> None:
+        req.error = message
+        for s in req.seqs:
+            if not s.finished:
+                deltas.append(self.finish(s, "error", message))
+
+    def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        self.scheduler.remove(seq)
+        self.on_finish(seq)
+
+
+def mask_allows(mask: np.ndarray | None, token: int) -> bool:
+    """Whether a mask (uint32 words; None = everything) allows `token`."""
+    return mask is None or bool((int(mask[token >> 5]) >> (token & 31)) & 1)

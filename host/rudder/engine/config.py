@@ -1,0 +1,44 @@
+"""EngineConfig: the engine's sizes and limits, with the defaults the CLI, the server and the
+Python API share (each exposes them as flags or keyword arguments of the same names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_tokens: int = 16384   # KV cache size, in token positions (all sequences together)
+    block_size: int = 16           # KV positions per block (the unit of paging and copy-on-write)
+    max_batch_tokens: int = 512    # tokens fed per step (prompt chunks + decode tokens)
+    max_seqs: int = 64             # sequences running at once
+    max_forks: int = 16            # live sequences per request
+    controller_threads: int = 2    # threads running controllers while the model computes (0: inline)
+    micro_batches: int = 1         # steps in flight at once (pipelines: one per stage pays off)
+    draft_model: str = "int8"      # the draft of requests with speculative="draft" (engine/drafts.py)
+
+    def __post_init__(self):
+        minimum = {"kv_cache_tokens": 1, "block_size": 1, "max_batch_tokens": 1, "max_seqs": 1, "max_forks": 1,
+                   "controller_threads": 0, "micro_batches": 1}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return max(1, self.kv_cache_tokens // self.block_size)
+
+    @classmethod
+    def of(cls, **options) -> "EngineConfig":
+        """From keyword arguments; an unknown one is an error naming it (never silently dropped)."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+    def replace(self, **changes) -> "EngineConfig":
+        return replace(self, **changes)
