@@ -241,6 +241,14 @@ class Tokenizer:
                 raise ValueError("text is not valid Unicode (it contains a lone surrogate)") from None
             raise
 
+    def encode_without_gil(self, text: str) -> list[int]:
+        """`encode(text)`, letting go of the GIL while the tokenizer works (other Python threads
+        run meanwhile); for long texts tokenized off the main path (a controller's import)."""
+        try:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        except TypeError:
+            raise ValueError("text is not valid Unicode (it contains a lone surrogate)") from None
+
     def _bytes_of(self, ids: Iterable[int], skip_special_tokens: bool) -> bytes:
         table = self._token_bytes_plain if skip_special_tokens else self._token_bytes
         n = self.vocab_size

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from ..branch import Branch
 from .errors import ControllerError
-from .host_api import HostState, RequestContext
+from .fastcall import lib
+from .host_api import TOKENIZE_BYTES_STEP, HostState, RequestContext
 from .instance import Instance
 from .limits import deadline_ticks
 from .result import ResultDecoder
@@ -25,6 +26,7 @@ __all__ = ["Controller"]
 # rudder_input is asked for at least this many tokens, so that the common one-token steps
 # after a short prompt don't each need a second call into the guest.
 MIN_INPUT_CAPACITY = 64
+_memory_size = lib.wasmtime_memory_data_size
 
 
 class Controller:
@@ -40,6 +42,7 @@ class Controller:
         self._ms = limits.mid_process_ms
         self._ticks = deadline_ticks(limits.mid_process_ms, shared.tick_ms)
         self._f_mid = inst.funcs["rudder_mid_process"]
+        inst.state.tokenize_cap = TOKENIZE_BYTES_STEP  # a step's budget is milliseconds
         self._in_ptr = 0   # the guest's input buffer, from the last rudder_input call
         self._in_cap = 0   # ... and its capacity in tokens
         self._failure: ControllerError | None = None
@@ -69,6 +72,11 @@ class Controller:
             slots[4] = backtrack
             slots[8] = n
             ptr = inst.call_func(self._f_mid, "rudder_mid_process", 3, self._ticks, self._ms)
+            if _memory_size(inst.ctx, inst.memory) != inst.size:  # it grew: count it (~0.3 us a call)
+                inst.remap()
+                if not inst.within_budget:
+                    raise ControllerError("oom", f"the controller grew its memory to {inst.size >> 20} MiB while the "
+                                          f"server's guest memory budget is spent", inst.log_tail())
             return self._decoder.decode(inst, ptr)
         except ControllerError as e:
             self._failure = e
@@ -103,6 +111,7 @@ class Controller:
             req.live += 1
         try:
             shared = self._shared
+            shared.guest_memory.admit(inst.size, "fork the controller")
             child_inst = Instance(shared, self._cmod, HostState(shared, req), req.limits.memory_bytes,
                                   deadline_ticks(req.limits.init_ms, shared.tick_ms))
             clone_state(inst, child_inst, shared.eager_bytes)
@@ -131,6 +140,11 @@ class Controller:
         self.close()
 
     # ------------------------------------------------------------------ misc
+
+    @property
+    def limits(self):
+        """The request's limits (its budgets are enforced by the sandbox and by the engine)."""
+        return self.request.limits
 
     def log_text(self) -> str:
         """The request's log so far (shared by all its forks)."""

@@ -27,9 +27,10 @@ LOG_TAIL_BYTES = 2048
 
 class ControllerError(Exception):
     """A controller failed. `str(e)` is one line; `kind` is one of `KINDS`; `log_tail` is the
-    end (~2 KiB) of the controller's log for this request."""
+    end (~2 KiB) of the controller's log for this request; `busy`: the failure is a shared
+    resource being in use (guest memory, instance slots), not the request's fault."""
 
-    def __init__(self, kind: str, message: str, log_tail: str = ""):
+    def __init__(self, kind: str, message: str, log_tail: str = "", busy: bool = False):
         if kind not in KINDS:
             raise ValueError(f"unknown ControllerError kind {kind!r}")
         # One line: messages may embed guest-provided or wasmtime text with newlines.
@@ -37,6 +38,7 @@ class ControllerError(Exception):
         super().__init__(message)
         self.kind = kind
         self.log_tail = log_tail
+        self.busy = busy  # a shared resource is in use right now: the same request may succeed later (429)
 
     @staticmethod
     def tail_of(log: bytes | bytearray) -> str:
@@ -44,4 +46,4 @@ class ControllerError(Exception):
         return bytes(log[-LOG_TAIL_BYTES:]).decode("utf-8", "replace")
 
     def __reduce__(self):  # keep kind/log_tail across pickling (e.g. process pools)
-        return (type(self), (self.kind, str(self), self.log_tail))
+        return (type(self), (self.kind, str(self), self.log_tail, self.busy))

@@ -82,6 +82,8 @@ void wasmtime_store_limiter(wasmtime_store_t *store, int64_t memory_size, int64_
                             int64_t instances, int64_t tables, int64_t memories);
 void *wasmtime_context_get_data(const wasmtime_context_t *context);
 void wasmtime_context_set_epoch_deadline(wasmtime_context_t *context, uint64_t ticks_beyond_current);
+void wasmtime_store_epoch_deadline_callback(wasmtime_store_t *store, void *func, void *data, void *finalizer);
+wasmtime_error_t *wasmtime_error_new(const char *message);
 
 wasmtime_error_t *wasmtime_instance_pre_instantiate(const wasmtime_instance_pre_t *pre,
     wasmtime_context_t *store, wasmtime_instance_t *instance, wasm_trap_t **trap);

@@ -13,6 +13,7 @@ host memory. Imports are not on the per-token hot path, except perhaps var_get/v
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import wasmtime
@@ -25,9 +26,11 @@ from .limits import Limits
 __all__ = ["HostState", "RequestContext", "define_imports", "check_imports"]
 
 LOG_TRUNCATED = b"\n[log truncated]\n"
-# Text given to one `tokenize` call. Not in the ABI's limit table: it bounds how long a single
-# import can block (tokenizing runs in Python, where the epoch deadline cannot interrupt it).
-MAX_TOKENIZE_BYTES = 1 << 20
+# Text one `tokenize` call may take: an import cannot be interrupted, so its input bounds how
+# long it runs (worst case, one token per byte: ~5 us a byte here). rudder_init/rudder_start
+# may tokenize more at once than a step, whose budget is tens of milliseconds.
+TOKENIZE_BYTES_SETUP = 256 << 10
+TOKENIZE_BYTES_STEP = 16 << 10
 
 
 class RequestContext:
@@ -40,6 +43,7 @@ class RequestContext:
         self.limits = limits
         self.vars: dict[bytes, bytes] = {}
         self.var_bytes = 0
+        self.tokenized_bytes = 0  # text given to `tokenize` by all its forks
         self.log = bytearray()
         self.log_truncated = False
         self.live = 0
@@ -92,12 +96,24 @@ class HostState:
     request: RequestContext | None = None
     memory: object = None  # wasmtime_memory_t of the instance, set after instantiation
     host_error: str | None = None  # why an import trapped the guest
+    host_error_kind: str = "trap"  # ... and the request's error kind ("limit" for a spent budget)
     log: bytearray = field(default_factory=bytearray)  # rudder_init's log
     log_truncated: bool = False
+    tokenize_cap: int = TOKENIZE_BYTES_SETUP  # one tokenize call's text (Controller lowers it for steps)
+    tokenized_bytes: int = 0  # rudder_init's tokenize text (no request to count it yet)
+    deadline: object = None  # the instance's native rudder_deadline, charged for imports' outside time
 
 
 class _GuestFault(Exception):
     """A guest passed a bad argument to an import: trap it with this message."""
+
+    kind = "trap"
+
+
+class _GuestOverBudget(_GuestFault):
+    """An import would exceed a per-request budget: the request fails with kind `limit`."""
+
+    kind = "limit"
 
 
 def _memory(state: HostState, caller, ctx):
@@ -176,15 +192,28 @@ def _arg_read(state, caller, ctx, vals):
 def _tokenize(state, caller, ctx, vals):
     base, size = _memory(state, caller, ctx)
     length = vals[1].i32 & 0xFFFFFFFF
-    if length > MAX_TOKENIZE_BYTES:
-        raise _GuestFault(f"rudder.tokenize: text of {length} bytes is over the "
-                          f"{MAX_TOKENIZE_BYTES} bytes one call may tokenize")
+    # Budgets first, before any work: one call's text (it cannot be interrupted) and the request's.
+    if length > state.tokenize_cap:
+        raise _GuestOverBudget(f"rudder.tokenize: text of {length} bytes is over the {state.tokenize_cap} "
+                               f"bytes one call may tokenize {'in a step' if state.tokenize_cap < TOKENIZE_BYTES_SETUP else 'at set-up'}")
+    holder = state.request if state.request is not None else state
+    budget = state.runtime.limits.max_tokenize_bytes if state.request is None else state.request.limits.max_tokenize_bytes
+    if holder.tokenized_bytes + length > budget:
+        raise _GuestOverBudget(f"rudder.tokenize: the request's tokenize budget of {budget} bytes is spent "
+                               f"({holder.tokenized_bytes} used, {length} more asked)")
+    holder.tokenized_bytes += length
     text_ptr = _span("tokenize", "text", vals[0].i32, length, size)
     try:
         text = _read(base, text_ptr, length).decode("utf-8")
     except UnicodeDecodeError as e:
         raise _GuestFault(f"rudder.tokenize: text is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    ids = state.runtime.tokenizer.encode(text)
+    # encode_batch lets go of the GIL while it works (encode does not): the server's event loop
+    # and the engine go on meanwhile. Its time runs outside this thread's CPU clock, so it is
+    # charged to the call's deadline explicitly.
+    started = time.perf_counter_ns()
+    ids = state.runtime.tokenizer.encode_without_gil(text)
+    if state.deadline is not None:
+        state.deadline.charged_ns += time.perf_counter_ns() - started
     n = min(len(ids), vals[3].i32 & 0xFFFFFFFF)
     if n:
         dst = _span("tokenize", "destination", vals[2].i32, 4 * n, size)
@@ -262,9 +291,10 @@ _HANDLERS = {
 assert _HANDLERS.keys() == IMPORTS.keys()
 
 
-def _trap(state: HostState | None, message: str):
+def _trap(state: HostState | None, message: str, kind: str = "trap"):
     if state is not None and state.host_error is None:
         state.host_error = message
+        state.host_error_kind = kind
     data = message.encode("utf-8", "replace")
     return lib.wasmtime_trap_new(data, len(data))
 
@@ -282,7 +312,7 @@ def _make_callback(name: str, handler):
                 vals[0].i32 = result
             return ffi.NULL
         except _GuestFault as e:
-            return _trap(state, str(e))
+            return _trap(state, str(e), e.kind)
         except BaseException as e:  # a host bug must not unwind through wasm frames
             return _trap(state, f"rudder.{name}: host error: {type(e).__name__}: {e}")
 

@@ -44,6 +44,44 @@ _set_deadline = lib.wasmtime_context_set_epoch_deadline
 _call_unchecked = lib.wasmtime_func_call_unchecked
 
 
+def wall_cap_ms(ms: float) -> float:
+    """The wall-clock cap of a call with a CPU budget of `ms`: room for a thread that waits for a
+    core on a busy machine (4x), never less than 100 ms more."""
+    return 4 * ms + 100
+
+
+class _Deadlines:
+    """The native CPU-time deadline (native/deadline.c), when the native library builds."""
+
+    def __init__(self):
+        from .. import native
+
+        nlib = native.library()
+        self.ffi, self.lib = native.ffi, nlib
+        if nlib is not None:
+            self.callback = int(native.ffi.cast("uintptr_t", native.ffi.addressof(nlib, "rudder_deadline_callback")))
+            self.error_new = native.ffi.cast("void *", int(ffi.cast("uintptr_t", lib.wasmtime_error_new)))
+
+    def new(self, tick_ms: float):
+        """A deadline struct for one store, or None (then deadlines are wall-clock epochs)."""
+        if self.lib is None:
+            return None
+        d = self.ffi.new("rudder_deadline *")
+        d.tick_ns = int(tick_ms * 1e6)
+        d.error_new = self.error_new
+        return d
+
+
+_deadlines: _Deadlines | None = None
+
+
+def _native_deadlines() -> _Deadlines:
+    global _deadlines
+    if _deadlines is None:
+        _deadlines = _Deadlines()
+    return _deadlines
+
+
 class _Store:
     """Owns a wasmtime store (and with it the instance and its memory).
 
@@ -52,9 +90,10 @@ class _Store:
     that the engine still holds after `close()` never points at freed memory.
     """
 
-    __slots__ = ("ptr", "ctx", "handle", "engine", "ticker")
+    __slots__ = ("ptr", "ctx", "handle", "engine", "ticker", "deadline", "meter", "accounted")
 
-    def __init__(self, engine, engine_ptr, state: HostState, memory_limit: int, ticker=None):
+    def __init__(self, engine, engine_ptr, state: HostState, memory_limit: int, ticker=None, tick_ms: float = 2.0,
+                 meter=None):
         # The store's data pointer is a handle to its HostState: host functions find their
         # state from the caller's context with no lookup table.
         self.handle = ffi.new_handle(state)
@@ -63,9 +102,25 @@ class _Store:
         self.ctx = lib.wasmtime_store_context(ptr)
         self.engine = engine  # the engine must outlive its stores
         lib.wasmtime_store_limiter(ptr, int(memory_limit), TABLE_ELEMENTS, 1, -1, 1)
+        # CPU-time deadlines: when the epoch deadline passes, the native callback checks the
+        # guest thread's CPU time and moves the deadline on while the call is within budget.
+        deadlines = _native_deadlines()
+        self.deadline = deadlines.new(tick_ms)
+        if self.deadline is not None:
+            lib.wasmtime_store_epoch_deadline_callback(ptr, ffi.cast("void *", deadlines.callback),
+                                                       ffi.cast("void *", int(deadlines.ffi.cast("uintptr_t", self.deadline))),
+                                                       ffi.NULL)
+            state.deadline = self.deadline
+        self.meter = meter  # the runtime's GuestMemory: this store's memory counts there
+        self.accounted = 0  # ... this many bytes of it
         self.ticker = ticker
         if ticker is not None:
             ticker.store_opened()
+
+    def account(self, size: int) -> bool:
+        """The memory is now `size` bytes; False if that leaves the server's budget exceeded."""
+        delta, self.accounted = size - self.accounted, size
+        return self.meter is None or self.meter.add(delta)
 
     def close(self) -> None:
         """Free the store now (not whenever the garbage collector gets to it)."""
@@ -73,6 +128,9 @@ class _Store:
         self.__del__()
 
     def __del__(self):
+        if self.meter is not None:
+            meter, self.meter = self.meter, None
+            meter.add(-self.accounted)
         if self.ticker is not None:
             ticker, self.ticker = self.ticker, None
             ticker.store_closed()
@@ -86,7 +144,10 @@ class Instance:
         self.cmod = cmod
         self.state = state
         self.memory_limit = int(memory_limit)
-        store = _Store(shared.engine, shared.engine_ptr, state, memory_limit, shared.ticker)
+        store = _Store(shared.engine, shared.engine_ptr, state, memory_limit, shared.ticker, shared.tick_ms,
+                       shared.guest_memory)
+        self.deadline = store.deadline
+        self._arm = _native_deadlines().lib.rudder_deadline_arm if store.deadline is not None else None
         self.store = store
         ctx = self.ctx = store.ctx
         self.trap = ffi.new("wasm_trap_t **")
@@ -137,6 +198,7 @@ class Instance:
         self.u8 = np.frombuffer(buf, dtype=np.uint8)
         self.u32 = np.frombuffer(buf, dtype=np.uint32)  # sizes are whole 64 KiB pages
         self.size = size
+        self.within_budget = self.store.account(size)
 
     def check_growth(self) -> bool:
         """Remap if the guest grew its memory; True if it did."""
@@ -186,7 +248,10 @@ class Instance:
 
     def call_func(self, func, name: str, n_slots: int, ticks: int, ms: float) -> int:
         ctx = self.ctx
-        # The deadline counts from when it is set, so it is re-armed before every call.
+        # The deadline counts from when it is set, so it is re-armed before every call: `ms` of
+        # this thread's CPU time (native deadlines), or `ticks` of wall time without them.
+        if self._arm is not None:
+            self._arm(self.deadline, int(ms * 1e6), int(wall_cap_ms(ms) * 1e6))
         _set_deadline(ctx, ticks)
         err = _call_unchecked(ctx, func, self.vals, n_slots, self.trap)
         if err or self.trap[0]:
@@ -210,10 +275,15 @@ class Instance:
         else:
             code, message = take_trap(self.trap[0])
             self.trap[0] = ffi.NULL
-        host_error, self.state.host_error = self.state.host_error, None
+        state = self.state
+        host_error, kind, state.host_error, state.host_error_kind = state.host_error, state.host_error_kind, None, "trap"
         self.check_growth()
         if host_error is not None:
-            return ControllerError("trap", f"{name}: {host_error}", self.log_tail())
+            return ControllerError(kind, f"{name}: {host_error}", self.log_tail())
+        if err and self.deadline is not None and self.deadline.expired:
+            what = (f"its deadline of {ms:g} ms of CPU time" if self.deadline.expired == 1
+                    else f"its wall-clock cap of {wall_cap_ms(ms):g} ms")
+            return ControllerError("timeout", f"{name} ran past {what}", self.log_tail())
         if err:
             return ControllerError("trap", f"{name} failed: {_first_line(message)}", self.log_tail())
         if code == TRAP_INTERRUPT:
@@ -237,7 +307,7 @@ class Instance:
         low = message.lower()
         if "concurrent" in low:  # the pooling allocator has no free slot
             return ControllerError("limit", f"too many live controllers on this server: {first}",
-                                   self.log_tail())
+                                   self.log_tail(), busy=True)
         if "memory" in low and ("limit" in low or "exceed" in low or "minimum" in low):
             return ControllerError("oom", f"cannot instantiate the controller within the memory "
                                    f"limit of {self.memory_limit >> 20} MiB: {first}", self.log_tail())

@@ -21,6 +21,11 @@ class Limits:
     max_ff_tokens: int = 4096           # fast-forward tokens per result (all lists together)
     max_log_bytes: int = 64 << 10       # log bytes kept per request
     max_var_bytes: int = 1 << 20        # shared variables per request (keys + values)
+    max_tokenize_bytes: int = 1 << 20   # text the `tokenize` import may take per request, in all
+    # Progress budgets (engine/budget.py): a controller that never lets its request finish fails.
+    max_steps_per_token: float = 4      # steps a sequence may take per output token it holds
+    max_work_factor: float = 4          # tokens processed per token of prompt and output
+    controller_ms_per_token: float = 50  # controllers' CPU time per token generated
 
     def __post_init__(self):
         for f in fields(self):

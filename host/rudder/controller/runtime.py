@@ -31,6 +31,7 @@ from .controller import Controller
 from .errors import ControllerError
 from .fastcall import addr, ffi, lib
 from .host_api import HostState, RequestContext, define_imports
+from .budgets import GuestMemory, SnapshotCache
 from .instance import WASM_PAGE, Instance
 from .limits import Limits, deadline_ticks
 from .module import ControllerModule, check_binary, check_module, check_shape
@@ -49,6 +50,9 @@ MAX_MODULE_BYTES = 64 << 20  # compile time grows with size; no real controller 
 # Deterministic init failures are remembered so a broken module fails fast on every request;
 # timeouts and pool exhaustion depend on load, so those are retried.
 _STICKY_INIT_KINDS = {"init", "bad_module", "trap", "oom", "invalid_result"}
+# Server-wide memory budgets (rudder serve --guest-memory-mb / --snapshot-memory-mb).
+DEFAULT_GUEST_MEMORY = 4 << 30    # linear memory of all live instances together
+DEFAULT_SNAPSHOT_BYTES = 512 << 20  # post-init snapshots kept for loaded modules
 
 
 class _Shared:
@@ -56,7 +60,7 @@ class _Shared:
     the runtime can be collected while controllers are still alive)."""
 
     def __init__(self, engine, tokenizer, limits: Limits, tick_ms: float, eager_bytes: int,
-                 backtrack_allowed: bool):
+                 backtrack_allowed: bool, guest_memory: GuestMemory, snapshots: SnapshotCache):
         self.engine = engine
         self.engine_ptr = ffi.cast("wasm_engine_t *", addr(engine.ptr()))
         self.tokenizer = tokenizer
@@ -67,6 +71,8 @@ class _Shared:
         self.eager_bytes = eager_bytes
         self.backtrack_allowed = backtrack_allowed
         self.closed = False
+        self.guest_memory = guest_memory  # every live instance's linear memory, against a budget
+        self.snapshots = snapshots  # post-init snapshots of loaded modules, bounded in bytes
         self.ticker = None  # the runtime's _Ticker, told when stores come and go
         self._table: bytes | None = None
         self._table_lock = threading.Lock()
@@ -263,15 +269,16 @@ class ControllerRuntime:
 
     def __init__(self, tokenizer, limits: Limits = Limits(), cache_dir: Path | None = None, *,
                  max_instances: int = 1024, keep_resident: int = 4 << 20,
-                 backtrack_allowed: bool = True, tick_ms: float = TICK_MS):
+                 backtrack_allowed: bool = True, tick_ms: float = TICK_MS,
+                 guest_memory_bytes: int = DEFAULT_GUEST_MEMORY, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES):
         if not isinstance(limits, Limits):
             limits = Limits().capped(limits)
         keep_resident = -(-int(keep_resident) // WASM_PAGE) * WASM_PAGE
         self.limits = limits
         engine, self.pooling = _make_engine(limits, max_instances, keep_resident)
         self.engine = engine
-        self._shared = _Shared(engine, tokenizer, limits, tick_ms,
-                               keep_resident if self.pooling else 0, backtrack_allowed)
+        self._shared = _Shared(engine, tokenizer, limits, tick_ms, keep_resident if self.pooling else 0,
+                               backtrack_allowed, GuestMemory(guest_memory_bytes), SnapshotCache(snapshot_bytes))
         self.linker = wasmtime.Linker(engine)
         define_imports(self.linker)
         # Everything that changes compiled code or what the load-time checks accept (bump the
@@ -349,6 +356,8 @@ class ControllerRuntime:
             arg = arg.encode("utf-8")
         snap = self._ensure_init(module)
         shared = self._shared
+        shared.snapshots.used(module)
+        shared.guest_memory.admit(snap.size, "start a controller")
         request = RequestContext(bytes(arg), lim)
         ticks = deadline_ticks(lim.init_ms, shared.tick_ms)
         inst = Instance(shared, module, HostState(shared, request), lim.memory_bytes, ticks)
@@ -356,8 +365,9 @@ class ControllerRuntime:
         inst.vals_i32[0] = 0
         status = inst.call("rudder_start", 1, ticks, lim.init_ms)
         if status != 0:
-            raise ControllerError("start", f"rudder_start returned {status}: the controller "
-                                  f"rejected the request (see its log)", inst.log_tail())
+            reason = _last_line(inst.log_tail())
+            raise ControllerError("start", f"the controller rejected the request (rudder_start returned {status})"
+                                  + (f": {reason}" if reason else "; its log is empty"), inst.log_tail())
         request.live = 1
         return Controller(shared, module, request, inst)
 
@@ -373,7 +383,7 @@ class ControllerRuntime:
                 e = cmod.init_error
                 raise ControllerError(e.kind, str(e), e.log_tail)
             try:
-                cmod.snapshot = self._run_init(cmod)
+                self._shared.snapshots.add(cmod, self._run_init(cmod))
             except ControllerError as e:
                 if e.kind in _STICKY_INIT_KINDS:
                     cmod.init_error = e
@@ -397,6 +407,8 @@ class ControllerRuntime:
                                   inst.log_tail())
         fresh = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
         snap = take_snapshot(inst, fresh)
+        inst.store.close()  # both go now: their memory leaves the guest memory budget at once
+        fresh.store.close()
         return snap
 
     # ------------------------------------------------------------------ lifetime
@@ -421,5 +433,19 @@ class ControllerRuntime:
         self.close()
 
     def stats(self) -> dict:
-        return dict(self.cache.stats, pooling=self.pooling)
+        shared = self._shared
+        return dict(self.cache.stats, pooling=self.pooling, guest_memory_bytes=shared.guest_memory.used,
+                    guest_memory_budget=shared.guest_memory.budget, snapshot_bytes=shared.snapshots.bytes,
+                    snapshot_budget=shared.snapshots.budget)
+
+    @property
+    def guest_memory(self):
+        """The live instances' linear memory against its budget (GuestMemory: used, budget, peak)."""
+        return self._shared.guest_memory
+
+
+def _last_line(log: str) -> str:
+    """The last non-empty line of a log: what a controller printed just before refusing."""
+    lines = [ln.strip() for ln in log.strip().splitlines() if ln.strip()]
+    return "".join(ch if ch.isprintable() else "?" for ch in lines[-1][:300]) if lines else ""
 

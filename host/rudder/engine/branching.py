@@ -22,7 +22,11 @@ if TYPE_CHECKING:
     from .block_manager import BlockManager
     from .scheduler import Scheduler
 
-__all__ = ["InvalidBranch", "Sample", "Steering", "check", "ends_sequence", "mask_allows", "tokens_after"]
+__all__ = ["InvalidBranch", "Sample", "Steering", "check", "ends_sequence", "mask_allows", "tokens_after", "FORK_WORK"]
+
+# A fork costs its request this much work (engine/budget.py): it copies a controller's memory,
+# and a controller that forks and stops in turns must not get unbounded forks for free.
+FORK_WORK = 16
 
 
 class InvalidBranch(ValueError):
@@ -125,6 +129,7 @@ class Steering:
                 # Stale logits: drop one more position and re-feed it, then sample (docs/abi.md).
                 self.bm.pop(seq.seq_id, 1)
                 seq.num_cached -= 1
+                seq.request.work += 1
                 if branch.samples:
                     seq.cursor.defer(branch)
                 return False
@@ -138,10 +143,11 @@ class Steering:
         copy-on-write), a copy of its controller and of its text; it runs from the next step."""
         req = parent.request
         child = Sequence(parent.token_ids, parent.params, parent.rng.spawn(1)[0], req, branch=len(req.seqs))
-        child.num_prompt, child.num_cached = parent.num_prompt, parent.num_cached
+        child.num_prompt, child.num_cached, child.steps = parent.num_prompt, parent.num_cached, parent.steps
         child.cursor = parent.cursor.fork()
         child.output = parent.output.fork(child.output_ids)
         req.usage.forks += 1
+        req.work += FORK_WORK
         self.bm.fork(parent.seq_id, child.seq_id)
         req.seqs.append(child)
         self.scheduler.add_running(child)
@@ -172,6 +178,7 @@ class Steering:
         usage = seq.request.usage
         usage.sampled_tokens += sampled
         usage.ff_tokens += len(tokens) - sampled
+        seq.request.work += len(tokens)
         params, output = seq.params, seq.output
         tokens = tokens[: max(params.max_tokens - seq.num_output, 0)]
         seq.token_ids.extend(tokens)

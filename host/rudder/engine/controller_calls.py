@@ -1,44 +1,73 @@
 """Running controllers' `mid_process` calls off the engine thread, while the model computes.
 
-Calls are split over a few worker threads (not one task per sequence): on a CPU host every
-thread wake-up competes with torch's own threads. Wasm releases the GIL, so the guests really
-run in parallel with the forward pass and with each other."""
+A few worker threads take calls from one queue, so a slow controller holds up one worker, not
+the calls queued behind it; each call has its own Future, so the engine can go on without a
+call that is late (engine/llm_engine.py) and take its answer at a later step. Wasm releases
+the GIL, so guests really run in parallel with the forward pass and with each other.
+
+The workers run at a lower CPU priority (nice +10) than the engine's and torch's threads: on a
+busy host the forward pass, which every request shares, comes first, and a tenant's controller
+gets what is left. Deadlines count a controller's own CPU time (native/deadline.c), so waiting
+for a core is never held against it. Each answer carries the CPU time the call took.
+"""
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-__all__ = ["ControllerCalls", "run_calls"]
+__all__ = ["ControllerCalls", "run_call", "WORKER_NICE"]
+
+WORKER_NICE = 10
 
 
-def run_calls(calls) -> list:
-    """Run mid_process calls `(key, controller, branch_idx, backtrack, tokens)` in order; each
-    answer is (key, a Branch list or the exception raised, seconds taken)."""
-    answers = []
-    for key, controller, branch_idx, backtrack, tokens in calls:
-        t0 = time.perf_counter()
-        try:
-            answer = controller.mid_process(branch_idx, backtrack, tokens)
-        except Exception as e:  # noqa: BLE001  (the controller's failure is its request's, not ours)
-            answer = e
-        answers.append((key, answer, time.perf_counter() - t0))
-    return answers
+def run_call(controller, branch_idx: int, backtrack: int, tokens) -> tuple[object, float]:
+    """(a Branch list or the exception raised, CPU seconds taken) of one mid_process call."""
+    t0 = time.thread_time()
+    try:
+        answer = controller.mid_process(branch_idx, backtrack, tokens)
+    except Exception as e:  # noqa: BLE001  (the controller's failure is its request's, not ours)
+        answer = e
+    return answer, time.thread_time() - t0
 
 
 class ControllerCalls:
     def __init__(self, threads: int):
         self.threads = threads
-        self.pool = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rudder-controller")
-                     if threads > 0 else None)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"rudder-controller-{i}", daemon=True)
+                         for i in range(threads)]
+        for worker in self._workers:
+            worker.start()
 
-    def submit(self, calls: list) -> list[Future]:
-        """Futures of `run_calls` over `calls`, split over the threads (threads=0: run here, now)."""
-        if not calls:
-            return []
-        if self.pool is None:
-            done: Future = Future()
-            done.set_result(run_calls(calls))
-            return [done]
-        n = min(self.threads, len(calls))
-        return [self.pool.submit(run_calls, calls[i::n]) for i in range(n)]
+    def submit(self, calls: list) -> dict[object, Future]:
+        """Start calls `(key, controller, branch_idx, backtrack, tokens)`; a Future per key,
+        whose result is (answer, CPU seconds). With no threads the calls run here, now."""
+        futures = {}
+        for key, *call in calls:
+            future: Future = Future()
+            if self.threads:
+                self._queue.put((future, call))
+            else:
+                future.set_result(run_call(*call))
+            futures[key] = future
+        return futures
+
+    def _work(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+        except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+            pass
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, call = item
+            future.set_result(run_call(*call))
+
+    def close(self) -> None:
+        for _ in self._workers:
+            self._queue.put(None)

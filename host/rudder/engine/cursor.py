@@ -23,7 +23,9 @@ __all__ = ["Controller", "ControllerCursor"]
 
 
 class Controller(Protocol):
-    """What the engine needs of a controller (the Wasm one, or a Python one in tests)."""
+    """What the engine needs of a controller (the Wasm one, or a Python one in tests). A
+    controller may also carry its request's `limits` (controller.Limits): the engine takes its
+    progress budgets from there unless add_request is given limits."""
 
     def mid_process(self, branch_idx: int, backtrack: int, tokens: list[int]) -> "list[Branch]": ...
 

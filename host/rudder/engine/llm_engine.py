@@ -13,19 +13,32 @@ Per step (docs/design.md draws it):
 With `micro_batches` M > 1 (pipelines) up to M steps are in flight at once, each over a disjoint
 group of the running sequences (`busy`): while the last stage computes one, the first computes
 the next. M = 1 is the plain loop: launch a step, complete it.
+
+A step never waits for a slow controller while others can go on: a call still running when
+its step completes leaves its sequence out of that step (`late`); its logits row is kept, and
+when the answer comes (checked at every step) it is applied and sampled from that row, so the
+tokens are the ones it would have had. Requests also have progress budgets (engine/budget.py):
+a controller that keeps a sequence from growing, or takes too much CPU per token, ends its
+request with kind `limit`.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
+from ..controller.limits import Limits
 from .block_manager import BlockManager
+from .budget import over_budget
 from .branching import Sample, Steering
 from .config import EngineConfig
 from .controller_calls import ControllerCalls
@@ -33,6 +46,7 @@ from .cursor import Controller, ControllerCursor
 from .model_runner import ModelRunner
 from .output import Completion, Delta, TextOutput
 from .runner import Runner, RunnerFailure
+from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Request, SamplingParams, Sequence
 from .step import ScheduledSeq
@@ -50,11 +64,21 @@ class _Flight:
 
     batch: list[ScheduledSeq]
     ready: list[Sequence]
-    tasks: list
+    calls: dict[int, Future]  # by seq_id: (answer, CPU seconds) of its mid_process call
     handle: Any
     launched: float
     forward_s: float = 0.0
     closing: list = field(default_factory=list)  # controllers of sequences that ended while in flight
+
+
+@dataclass
+class _Late:
+    """A sequence whose controller had not answered when its step completed: its call, and its
+    logits row from that step ([1, vocab]), sampled when the answer comes."""
+
+    seq: Sequence
+    call: Future
+    logits: torch.Tensor
 
 
 class Engine:
@@ -73,6 +97,8 @@ class Engine:
         self.steering = Steering(self.block_manager, self.scheduler, tokenizer.stop_token_ids,
                                  self.cfg.max_position, config.max_forks, self._release_sequence)
         self.calls = ControllerCalls(config.controller_threads)
+        self.sampler = Sampler(self.cfg.vocab_size)  # for late sequences' kept rows
+        self._late: dict[int, _Late] = {}  # by seq_id
         self.failure: str | None = None  # set when the runner failed for good
         self.requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
@@ -88,9 +114,11 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    controller: Controller | None = None) -> Request:
+                    controller: Controller | None = None, limits: Limits | None = None) -> Request:
         """Queue a request. The engine owns `controller` from here on (it is closed even if the
-        request is refused)."""
+        request is refused). `limits`: the request's controller limits, whose progress budgets
+        (steps and work per token, controller CPU per token) the engine enforces; default: the
+        ABI's defaults."""
         try:
             if self.failure is not None:
                 raise RunnerFailure(self.failure)
@@ -116,7 +144,8 @@ class Engine:
             if controller is not None:
                 controller.close()
             raise
-        req = Request(next(self._request_ids), prompt_ids, params)
+        limits = limits or getattr(controller, "limits", None) or Limits()
+        req = Request(next(self._request_ids), prompt_ids, params, limits)
         seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req)
         if controller is not None:
             seq.cursor = ControllerCursor(controller, prompt_ids)
@@ -138,18 +167,22 @@ class Engine:
         del self.requests[request_id]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._in_flight)
+        return self.scheduler.has_work() or bool(self._in_flight) or bool(self._late)
 
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
         """Launch steps until `micro_batches` are in flight, then complete the oldest."""
         deltas: list[Delta] = []
+        if self._late:
+            self._take_late_answers(deltas, block=False)
         while len(self._in_flight) < self.config.micro_batches and self.failure is None:
             flight = self._launch_next(deltas)
             if flight is None:
                 break
             self._in_flight.append(flight)
+        if not self._in_flight and self._late:  # nothing can run until a late controller answers
+            self._take_late_answers(deltas, block=True)
         while self._in_flight:
             self._complete(self._in_flight.popleft(), deltas)
             if self.failure is None:
@@ -179,9 +212,9 @@ class Engine:
         """Start the step: controllers in their threads, the forward pass here."""
         self.runner.copy_blocks(self.block_manager.take_copies())
         ready = [e.seq for e in batch if e.sample]
-        calls = [(s.seq_id, s.cursor.controller, *s.cursor.call()) for s in ready
-                 if s.cursor is not None and s.cursor.wants_call and s.draft is None]  # a draft's answer is in
-        tasks = self.calls.submit(calls)
+        calls = self.calls.submit([(s.seq_id, s.cursor.controller, *s.cursor.call()) for s in ready
+                                   if s.cursor is not None and s.cursor.wants_call and s.draft is None])
+        # (a drafted sequence's controller answered while drafting)
         early = None
         if self.runner.capabilities.sample_at_launch and not any(
                 s.cursor is not None or s.draft is not None for s in ready):
@@ -190,33 +223,34 @@ class Engine:
         try:
             handle = self.runner.run(batch, alone, early)  # the controllers run meanwhile
         except RunnerFailure as e:
-            for task in tasks:
-                task.result()
+            wait_futures(calls.values())
             deltas.extend(self._fail_all(str(e)))
             return None
-        flight = _Flight(batch, ready, tasks, handle, t0, time.perf_counter() - t0)
+        flight = _Flight(batch, ready, calls, handle, t0, time.perf_counter() - t0)
         for entry in batch:
             self._busy[entry.seq.seq_id] = flight
         return flight
 
     def _complete(self, flight: _Flight, deltas: list[Delta]) -> None:
-        """Join the controllers, apply their answers, verify drafts, sample, append."""
-        answers = {key: (answer, secs) for task in flight.tasks for key, answer, secs in task.result()}
+        """Take the controllers' answers, apply them, verify drafts, sample, append."""
         for entry in flight.batch:
             self._busy.pop(entry.seq.seq_id, None)
         try:
             if self.failure is None:
-                self._apply(flight, answers, deltas)
+                self._apply(flight, deltas)
         except RunnerFailure as e:
             deltas.extend(self._fail_all(str(e)))
         finally:
-            for controller in flight.closing:  # they may have been mid-call until the join above
-                controller.close()
+            # Controllers of sequences that ended while this step was in flight: closed once their
+            # call is over (now, or when a late one returns).
+            for controller in flight.closing:
+                _close_when_done(flight.calls.values(), controller)
 
-    def _apply(self, flight: _Flight, answers: dict, deltas: list[Delta]) -> None:
+    def _apply(self, flight: _Flight, deltas: list[Delta]) -> None:
         self._steps += 1
         for entry in flight.batch:
             entry.seq.num_cached += entry.num_tokens
+            entry.seq.steps += entry.sample
             usage = entry.seq.request.usage
             if usage.last_step != self._steps:  # once per request, however many of its forks ran
                 usage.last_step = self._steps
@@ -228,8 +262,9 @@ class Engine:
         if drafted:  # verify the drafts (their rows row, row + 1, ...), all rows fetched at once
             samples.extend(self.spec.verify(drafted, rows, flight, deltas))
         verified = {s.seq_id for s in drafted}
+        late = self._late_calls(flight, verified)
         for seq in flight.ready:
-            if seq.finished or seq.seq_id in verified:
+            if seq.finished or seq.seq_id in verified or seq.seq_id in late:
                 continue
             row = rows[seq.seq_id]
             if seq.cursor is None:
@@ -237,14 +272,57 @@ class Engine:
             elif not seq.cursor.wants_call:
                 samples.append(Sample(seq, row, seq.cursor.take_deferred()))
             else:
-                answer, secs = answers[seq.seq_id]
+                answer, secs = flight.calls[seq.seq_id].result()
                 seq.request.usage.controller_s += secs
                 samples.extend(self.steering.apply_answer(seq, row, answer, deltas))
+        if late:  # keep their rows; they sample when their answers come
+            kept = self.runner.logits(flight.handle, [rows[i] for i in late])
+            for j, (seq_id, seq) in enumerate(late.items()):
+                self._late[seq_id] = _Late(seq, flight.calls[seq_id], kept[j:j + 1])
         samples = [s for s in samples if not s.seq.finished]  # a fork's request may have failed since
         if samples:
             self._sample(flight.handle, samples, deltas)
         elif flight.ready:
             self.runner.skip(flight.handle)
+        self._check_budgets({e.seq.request for e in flight.batch}, deltas)
+
+    def _late_calls(self, flight: _Flight, verified: set[int]) -> dict[int, Sequence]:
+        """The sequences of this step whose controller is still running, when leaving them out
+        lets something else go on (another sequence to run now or next); else wait for them."""
+        pending = {s.seq_id: s for s in flight.ready
+                   if s.seq_id in flight.calls and s.seq_id not in verified and not flight.calls[s.seq_id].done()}
+        if not pending:
+            return {}
+        others = (len(self.scheduler.running) + len(self.scheduler.waiting)) - len(pending)
+        if others > 0:
+            return pending
+        wait_futures([flight.calls[i] for i in pending])
+        return {}
+
+    def _take_late_answers(self, deltas: list[Delta], block: bool) -> None:
+        """Apply the answers of late controllers that came, sampling from their kept rows."""
+        if block:
+            wait_futures([late.call for late in self._late.values()], timeout=1.0, return_when=FIRST_COMPLETED)
+        for seq_id in [i for i, late in self._late.items() if late.call.done()]:
+            late = self._late.pop(seq_id)
+            seq = late.seq
+            answer, secs = late.call.result()
+            seq.request.usage.controller_s += secs
+            samples = [s for s in self.steering.apply_answer(seq, 0, answer, deltas) if not s.seq.finished]
+            if samples:
+                rows = late.logits.index_select(0, torch.zeros(len(samples), dtype=torch.long))
+                out = self.sampler.sample(rows, [s.seq.params for s in samples], [s.seq.rng for s in samples],
+                                          [s.branch.mask if s.branch is not None else None for s in samples])
+                for s, token, logprob in zip(samples, out.tokens, out.logprobs):
+                    self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
+            self._check_budgets({seq.request}, deltas)
+
+    def _check_budgets(self, requests, deltas: list[Delta]) -> None:
+        for req in requests:
+            if not req.finished:
+                reason = over_budget(req)
+                if reason is not None:
+                    self.steering.fail_request(req, f"controller limit: {reason}", deltas)
 
     def _sample(self, handle, samples: list[Sample], deltas: list[Delta]) -> None:
         masks = [s.branch.mask if s.branch is not None else None for s in samples]
@@ -260,9 +338,11 @@ class Engine:
         cursor, seq.cursor = seq.cursor, None
         if cursor is None:
             return
-        flight = self._busy.get(seq.seq_id)
+        flight, late = self._busy.get(seq.seq_id), self._late.pop(seq.seq_id, None)
         if flight is not None:  # its mid_process may be running right now: close it after the join
             flight.closing.append(cursor.controller)
+        elif late is not None:  # ... or it is a late one
+            _close_when_done([late.call], cursor.controller)
         else:
             cursor.close()
 
@@ -280,10 +360,12 @@ class Engine:
             self.failure = "the engine is closed"
         while self._in_flight:
             flight = self._in_flight.popleft()
-            for task in flight.tasks:
-                task.result()
+            wait_futures(flight.calls.values())
             for controller in flight.closing:
                 controller.close()
+        for late in self._late.values():
+            late.call.result()
+        self.calls.close()
         self.runner.close()
 
     # -- results -------------------------------------------------------------------------------
@@ -297,3 +379,22 @@ class Engine:
 
     def release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+
+
+def _close_when_done(calls, controller) -> None:
+    """Close `controller` once none of `calls` runs any more (it may be in one of them)."""
+    pending = [c for c in calls if not c.done()]
+    if not pending:
+        controller.close()
+        return
+    left, lock = [len(pending)], threading.Lock()
+
+    def done(_):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            controller.close()
+
+    for call in pending:
+        call.add_done_callback(done)

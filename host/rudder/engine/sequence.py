@@ -68,14 +68,16 @@ class Request:
     """One submitted prompt and everything it became: its sequences (one, or several after
     forks), its usage and its outcome."""
 
-    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams, limits=None):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.limits = limits  # its controller Limits: the progress budgets (engine/budget.py)
         self.seqs: list[Sequence] = []
         self.cancelled = False
         self.error: str | None = None
         self.usage = Usage()
+        self.work = 0  # tokens appended to, or re-fed into, its sequences, plus a cost per fork
         self.spec_stats = None  # speculative.SpecStats of a speculative request
 
     @property
@@ -111,6 +113,7 @@ class Sequence:
         self.output: "TextOutput | None" = None  # the streamed text (set by the engine)
         self.cursor: "ControllerCursor | None" = None  # its controller, and what it has been told
         self.draft = None  # speculative.Draft | None: draft tokens this step verifies
+        self.steps = 0  # steps that computed its next-token logits
 
     @property
     def request_id(self) -> int:

@@ -219,12 +219,13 @@ class Speculator:
             if by_source["draft"]:  # the draft model computes while the controllers run
                 jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
                 model_rows = dict(zip(by_source["draft"], self.draft_model.logits(jobs)))
-            for task in tasks:
-                for seq, answer, seconds in task.result():
-                    d = drafts[seq]
-                    d.answer, d.ctl_time = answer, d.ctl_time + seconds
-                    ad = self.adaptive[seq.seq_id]
-                    ad.ctl_time = _EMA * ad.ctl_time + (1 - _EMA) * seconds
+            for seq, future in tasks.items():
+                answer, seconds = future.result()
+                d = drafts[seq]
+                d.answer, d.ctl_time = answer, d.ctl_time + seconds
+                seq.request.usage.controller_s += seconds
+                ad = self.adaptive[seq.seq_id]
+                ad.ctl_time = _EMA * ad.ctl_time + (1 - _EMA) * seconds
             active = [s for s, d in drafts.items() if not d.done]
             tell = {}
             for seq in active:
@@ -249,8 +250,8 @@ class Speculator:
             seq.draft = d
             seq.token_ids.extend(d.tokens)  # pending: the scheduler feeds them with the real token
 
-    def _start_calls(self, tell: dict) -> list:
-        """The controllers' mid_process calls, answered as (seq, answer, seconds)."""
+    def _start_calls(self, tell: dict) -> dict:
+        """The controllers' mid_process calls: a Future of (answer, CPU seconds) per sequence."""
         return self.engine.calls.submit([(seq, seq.cursor.controller, *args) for seq, args in tell.items()])
 
     def _next_step(self, seq, d: Draft, draft_logits) -> _Step | None:

@@ -3,7 +3,8 @@ compiled once per machine with zig cc (the `ziglang` package, which also builds 
 and called through cffi.
 
 `mask_kernel()` returns the kernel, or None when it cannot be built (no zig, an odd platform;
-the reason is in `unavailable_reason`): callers then use their numpy path.
+the reason is in `unavailable_reason`): callers then use their numpy path. `deadline.c` is the
+sandbox's CPU-time deadline (controller/instance.py); without it deadlines are wall-clock.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from pathlib import Path
 
 import cffi
 
-SOURCES = [Path(__file__).with_name(name) for name in ("mask.c", "ticker.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("mask.c", "ticker.c", "deadline.c")]
 _CDEF = """
 void rudder_apply_mask(float *logits, const uint32_t *words, size_t n_tokens);
 typedef struct rudder_ticker rudder_ticker;
 rudder_ticker *rudder_ticker_start(void *engine, void *increment, long period_ns);
 void rudder_ticker_stop(rudder_ticker *t);
+typedef struct rudder_deadline {
+    int64_t cpu_limit_ns; int64_t wall_limit_ns; int64_t charged_ns; int64_t tick_ns; int32_t expired;
+    void *error_new;
+} rudder_deadline;
+void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall_budget_ns);
+int64_t rudder_deadline_left_ns(const rudder_deadline *d);
+void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8_t *kind);
 """
 
 ffi = cffi.FFI()

@@ -1,0 +1,94 @@
+"""The sandbox's server-wide memory budgets (controller/budgets.py): post-init snapshots are
+bounded in bytes (least recently used dropped, re-made by running rudder_init again), and the
+linear memory of all live instances is bounded (a start or fork that does not fit is refused as
+`limit` with `busy` set; growth past the budget fails the request that grew, as `oom`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller_wat import controller_wat, peek, wasm_of
+from rudder.controller import ControllerError, ControllerRuntime, Limits
+from rudder.tokenizer import Tokenizer
+
+MiB = 1 << 20
+
+
+def dirty_init_wat(mib: int, mark: int) -> str:
+    """rudder_init grows memory to `mib` MiB and writes `mark` over all of it (a big snapshot)."""
+    pages = mib * 16
+    return controller_wat(
+        memory='(memory (export "memory") 2)',
+        init=f"""(drop (memory.grow (i32.const {pages - 2})))
+                 (memory.fill (i32.const 0x10000) (i32.const {mark}) (i32.const {mib * MiB - 0x10000}))
+                 (i32.const 0)""")
+
+
+def test_snapshots_are_bounded_in_bytes_and_come_back():
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False, snapshot_bytes=40 * MiB) as rt:
+        modules = [rt.load(wasm_of(dirty_init_wat(16, mark))) for mark in range(1, 7)]
+        for m in modules:
+            rt.start(m, "").close()
+            assert rt.stats()["snapshot_bytes"] <= 40 * MiB + 16 * MiB
+        kept = [m for m in modules if m.snapshot is not None]
+        assert 1 <= len(kept) <= 3 and modules[-1].snapshot is not None  # the newest stays
+        first = modules[0]
+        assert first.snapshot is None  # dropped: least recently used
+        ctl = rt.start(first, "")  # rudder_init runs again and gives the same state
+        assert peek(ctl, 0x20000, 4) == bytes([1] * 4) and peek(ctl, 16 * MiB - 4, 4) == bytes([1] * 4)
+        ctl.close()
+        assert first.snapshot is not None and rt.stats()["snapshot_bytes"] <= 56 * MiB
+
+
+def test_live_guest_memory_is_bounded_and_given_back():
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False, guest_memory_bytes=20 * MiB) as rt:
+        module = rt.load(wasm_of(dirty_init_wat(8, 7)))
+        a = rt.start(module, "")
+        b = rt.start(module, "")
+        assert rt.guest_memory.used >= 16 * MiB
+        with pytest.raises(ControllerError) as e:
+            rt.start(module, "")
+        assert e.value.kind == "limit" and e.value.busy and "guest memory budget of 20 MiB" in str(e.value)
+        with pytest.raises(ControllerError) as e:
+            a.fork()
+        assert e.value.kind == "limit" and e.value.busy
+        del e  # its traceback holds the forking frame, and with it a's instance
+        a.close()
+        del a
+        c = rt.start(module, "")  # room again once an instance is gone
+        for ctl in (b, c):
+            ctl.close()
+        del b, c
+        assert rt.guest_memory.used == 0 and rt.guest_memory.peak >= 16 * MiB
+
+
+GROW = controller_wat(mid="(drop (memory.grow (i32.const 160))) (i32.const 0x100)")  # +10 MiB a step
+
+
+def test_growth_past_the_budget_fails_the_request_that_grew():
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False, guest_memory_bytes=24 * MiB) as rt:
+        module = rt.load(wasm_of(GROW))
+        quiet = rt.start(rt.load(wasm_of(controller_wat())), "")
+        ctl = rt.start(module, "")
+        ctl.mid_process(0, 0, [1])  # 10 MiB: fits
+        ctl.mid_process(0, 0, [1])  # 20 MiB: fits
+        with pytest.raises(ControllerError) as e:
+            ctl.mid_process(0, 0, [1])  # 30 MiB: over
+        assert e.value.kind == "oom" and "guest memory budget" in str(e.value)
+        assert quiet.mid_process(0, 0, [1])  # the neighbour is not touched
+        ctl.close()
+        quiet.close()
+
+
+def test_a_refusal_names_its_reason():
+    reason = 'json: unsupported keyword "foo" at /\n'
+    refuse = controller_wat(start=f"(call $log (i32.const 0x900) (i32.const {len(reason)})) (i32.const 1)",
+                            extra='(data (i32.const 0x900) "json: unsupported keyword \\"foo\\" at /\\n")')
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as rt:
+        with pytest.raises(ControllerError) as e:
+            rt.start(rt.load(wasm_of(refuse)), "")
+    assert e.value.kind == "start" and str(e.value).endswith('json: unsupported keyword "foo" at /')
+
+
+def test_limits_are_only_lowered():
+    assert Limits().capped({"max_tokenize_bytes": 5}).max_tokenize_bytes == 5

@@ -1,0 +1,164 @@
+"""Deadlines count a controller's CPU time, not the time its thread waited for a core.
+
+A legal controller that computes for ~40 % of its budget per step keeps running when the
+machine is so busy that each of its calls takes several budgets of wall time; a runaway one
+still ends at its budget (its CPU time) or at the wall-clock cap when it is starved; and
+time spent in an import outside the thread's CPU clock (the tokenizer lets go of the GIL) is
+charged to the call. Needs the native library (deadlines fall back to wall time without it).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from controller_wat import busy_wat, controller_wat, wasm_of
+from rudder import native
+from rudder.controller import ControllerError, ControllerRuntime, Limits
+from rudder.controller.instance import wall_cap_ms
+from rudder.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+
+
+@pytest.fixture(scope="module")
+def rt():
+    assert native.library() is not None, native.unavailable_reason  # the CPU-time deadline lives there
+    runtime = ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False)
+    yield runtime
+    runtime.close()
+
+
+def _cpu_of_one_call(ctl) -> float:
+    t0 = time.thread_time()
+    ctl.mid_process(0, 0, [1])
+    return time.thread_time() - t0
+
+
+def _calibrated(rt, target_s: float):
+    """A busy controller whose step costs about `target_s` of CPU here."""
+    module = rt.load(wasm_of(busy_wat()))
+    n = 200_000
+    while True:
+        ctl = rt.start(module, struct.pack("<I", n), {"mid_process_ms": 1000})
+        cpu = min(_cpu_of_one_call(ctl) for _ in range(3))
+        ctl.close()
+        if cpu >= target_s / 4:
+            return module, max(1, int(n * target_s / cpu))
+        n *= 4
+
+
+class _Contention:
+    """This process and `k` CPU-burning processes on one core: our threads get ~1/(k+1) of it."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __enter__(self):
+        self.before = os.sched_getaffinity(0)
+        core = min(self.before)
+        os.sched_setaffinity(0, {core})
+        self.burners = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
+                                          "while True: pass"]) for _ in range(self.k)]
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.burners:
+            p.kill()
+            p.wait()
+        os.sched_setaffinity(0, self.before)
+
+
+def test_a_legal_controller_survives_a_busy_machine(rt):
+    module, n = _calibrated(rt, 0.010)  # ~10 ms of CPU a step, under a 25 ms budget
+    ctl = rt.start(module, struct.pack("<I", n))
+    walls = []
+    with _Contention(3):
+        for _ in range(12):
+            t0 = time.perf_counter()
+            ctl.mid_process(0, 0, [1])  # a wall-clock deadline would kill it here
+            walls.append(time.perf_counter() - t0)
+    ctl.close()
+    assert max(walls) > 0.025, walls  # the contention was real: some steps took longer than the budget
+
+
+def test_a_runaway_ends_at_its_cpu_budget_even_when_busy(rt):
+    loop = controller_wat(mid="(loop $l (br $l)) (i32.const 0)")
+    ctl = rt.start(rt.load(wasm_of(loop)), "", {"mid_process_ms": 20})
+    with _Contention(1):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with pytest.raises(ControllerError) as e:
+            ctl.mid_process(0, 0, [1])
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    assert e.value.kind == "timeout" and "20 ms of CPU time" in str(e.value)
+    assert 0.020 <= cpu, cpu  # it got its whole budget of CPU...
+    assert wall < wall_cap_ms(20) / 1000 + 1.0  # ...and no more than the wall cap (margin for a loaded host)
+
+
+def test_a_starved_call_ends_at_the_wall_cap(rt):
+    """With 8 burners on its core, a runaway's thread gets ~11 % of it: its 50 ms of CPU would
+    take ~450 ms of wall time, past the cap of 300 ms, so the cap ends it first."""
+    loop = controller_wat(mid="(loop $l (br $l)) (i32.const 0)")
+    runtime = ControllerRuntime(Tokenizer.byte_level(512), Limits(mid_process_ms=50), cache_dir=False)
+    ctl = runtime.start(runtime.load(wasm_of(loop)), "")
+    with _Contention(8):
+        t0 = time.perf_counter()
+        with pytest.raises(ControllerError) as e:
+            ctl.mid_process(0, 0, [1])
+        wall = time.perf_counter() - t0
+    assert e.value.kind == "timeout"
+    if "wall-clock cap" in str(e.value):
+        assert wall >= wall_cap_ms(50) / 1000
+    else:  # the scheduler gave it more than its share: then its CPU budget ended it
+        assert "50 ms of CPU time" in str(e.value)
+    runtime.close()
+
+
+TOKENIZE_LOOP = controller_wat(
+    start="(drop (call $arg_read (i32.const 0x1000) (i32.const 16384))) (i32.const 0)",
+    mid_locals="(local $i i32)",
+    mid="""(loop $l
+             (drop (call $tokenize (i32.const 0x1000) (i32.const 16384) (i32.const 0x8000) (i32.const 0)))
+             (local.set $i (i32.add (local.get $i) (i32.const 1)))
+             (br_if $l (i32.lt_u (local.get $i) (i32.const 1000))))
+           (i32.const 0x100)""")
+
+
+def test_tokenize_in_a_loop_is_charged_and_budgeted(tmp_path):
+    """A step that tokenizes 16 KiB again and again: each call's time counts against the step
+    (the tokenizer works outside the thread's CPU clock), and the request's tokenize budget
+    ends it with kind `limit` when that comes first."""
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as runtime:
+        module = runtime.load(wasm_of(TOKENIZE_LOOP))
+        digits = b"7" * 16384
+        ctl = runtime.start(module, digits, {"mid_process_ms": 25})
+        t0 = time.perf_counter()
+        with pytest.raises(ControllerError) as e:
+            ctl.mid_process(0, 0, [1])
+        elapsed = time.perf_counter() - t0
+        assert e.value.kind in ("timeout", "limit"), e.value
+        assert elapsed < 5, elapsed  # a behaviour bound: 1000 calls x 16 KiB would take far longer
+        small = runtime.start(module, digits, {"max_tokenize_bytes": 40000, "mid_process_ms": 1000})
+        with pytest.raises(ControllerError) as e:
+            small.mid_process(0, 0, [1])
+        assert e.value.kind == "limit" and "tokenize budget of 40000 bytes" in str(e.value)
+
+
+def test_one_tokenize_call_is_capped_in_a_step(rt):
+    wat = controller_wat(mid="(drop (call $tokenize (i32.const 0x1000) (i32.const 20000) (i32.const 0) (i32.const 0)))"
+                             " (i32.const 0x100)")
+    ctl = rt.start(rt.load(wasm_of(wat)), "")
+    with pytest.raises(ControllerError) as e:
+        ctl.mid_process(0, 0, [1])
+    assert e.value.kind == "limit" and "16384 bytes one call may tokenize in a step" in str(e.value)
+
+
+def test_limits_take_the_tokenize_budget():
+    assert Limits().max_tokenize_bytes == 1 << 20
+    assert Limits().capped({"max_tokenize_bytes": 10}).max_tokenize_bytes == 10
