@@ -396,8 +396,9 @@ def test_load_smollm2_fast(smollm2_folder):
 def test_conversion_matches_transformers_gguf_loader(smollm2_folder, smollm2_gguf_dir):
     """The proof of the conversion: transformers' own GGUF loader (which un-permutes Q/K
     itself) gives the same tensors and logits as transformers loading our folder."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - transformers' GGUF loader needs it (the `test` extra has both)
+    import transformers
+
     gguf_dir, gguf_name = smollm2_gguf_dir
     # (transformers dequantizes GGUFs to fp32 and then refuses `.float()` on them.)
     ref = transformers.LlamaForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name).eval()

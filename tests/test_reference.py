@@ -24,8 +24,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf_dir):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - transformers' GGUF loader needs it (the `test` extra has both)
+    import transformers
+
     folder, name = smollm2_gguf_dir
     return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
