@@ -574,3 +574,74 @@ def test_result_decoder_fuzz():
                 assert len(b.ff) <= 1 and (b.ff != [[]] or b.backtrack > 0)
 
     check()
+
+
+# ----------------------------------------------------------------------------- no native library
+
+NO_NATIVE_SCRIPT = r'''
+import gc, json, sys, time
+from rudder import native
+from rudder.controller import ControllerError, ControllerRuntime, Limits
+from rudder.tokenizer import Tokenizer
+from controller_wat import controller_wat, wasm_of
+
+LOOP = "(loop $l (br $l)) (i32.const 0)"
+out = {"library": native.library() is None, "reason": native.unavailable_reason}
+rt = ControllerRuntime(Tokenizer.byte_level(512), Limits(init_ms=200), cache_dir=False)
+out["ticker"] = type(rt._ticker).__name__
+for hook, wat in [("rudder_init", controller_wat(init=LOOP)), ("rudder_start", controller_wat(start=LOOP))]:
+    try:
+        rt.start(rt.load(wasm_of(wat)), "")
+    except ControllerError as e:
+        out[hook] = [e.kind, str(e)]
+steps = [rt.start(rt.load(wasm_of(controller_wat(mid=LOOP))), "") for _ in range(2)]
+t0 = time.perf_counter()
+try:
+    steps[0].mid_process(0, 0, [1])
+except ControllerError as e:
+    out["rudder_mid_process"] = [e.kind, str(e), time.perf_counter() - t0]
+del rt   # a dropped runtime's ticker goes on while its controllers live
+gc.collect()
+try:
+    steps[1].mid_process(0, 0, [1])
+except ControllerError as e:
+    out["orphaned"] = [e.kind, str(e)]
+
+from rudder import LLM, SamplingParams
+llm = LLM("tiny")
+outs = llm.generate(["x"] * 3, [SamplingParams(max_tokens=24, seed=s, temperature=1.0) for s in range(3)],
+                    controller="regex", controller_arg="[a-z]{3,8}( [a-z]{3,8})*")
+out["texts"] = [o.text for o in outs]
+print(json.dumps(out))
+'''
+
+
+def test_without_the_native_library_deadlines_still_fire():
+    """RUDDER_NO_NATIVE=1 (as when zig cannot build rudder.native): the pure-Python epoch ticker
+    interrupts runaway init, start and step code (a dropped runtime's too), and the numpy mask
+    path samples exactly what the native kernel does."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rudder import LLM, SamplingParams
+
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "RUDDER_NO_NATIVE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", NO_NATIVE_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["library"] and "RUDDER_NO_NATIVE" in out["reason"] and out["ticker"] == "_Ticker"
+    for hook, ms in (("rudder_init", 200), ("rudder_start", 200), ("rudder_mid_process", 25), ("orphaned", 25)):
+        kind, message = out[hook][:2]
+        assert kind == "timeout" and f"deadline of {ms} ms" in message, (hook, message)
+    assert 0.025 <= out["rudder_mid_process"][2] < HANG_MARGIN_S
+    llm = LLM("tiny")   # here, with the native mask kernel
+    outs = llm.generate(["x"] * 3, [SamplingParams(max_tokens=24, seed=s, temperature=1.0) for s in range(3)],
+                        controller="regex", controller_arg="[a-z]{3,8}( [a-z]{3,8})*")
+    assert out["texts"] == [o.text for o in outs]
+    assert all(o.text and set(o.text) <= set("abcdefghijklmnopqrstuvwxyz ") for o in outs)
