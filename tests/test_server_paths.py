@@ -287,12 +287,14 @@ def test_openai_constraint_rules(server, openai_client):
     for body in [{"response_format": {"type": "json_object"}}, {"rudder": {"regex": "a+"}}]:
         r = httpx.post(url, json={"messages": CHAT, "n": 2, **body})
         assert "n > 1 works without a constraint only" in error_of(r, 400, "invalid_request")
-    r = httpx.post(url, json={"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    schemaless = {"type": "json_schema", "json_schema": {"name": "x"}}
+    r = httpx.post(url, json={"messages": CHAT, "response_format": schemaless})
     assert "needs json_schema.schema" in error_of(r, 400, "invalid_request")
     with pytest.raises(openai.BadRequestError, match="send one prompt per request"):
         openai_client.completions.create(model="tiny", prompt=["one", "two"], max_tokens=3)
     [single] = openai_client.completions.create(model="tiny", prompt=["one"], max_tokens=3, seed=1).choices
-    assert single.text == openai_client.completions.create(model="tiny", prompt="one", max_tokens=3, seed=1).choices[0].text
+    [plain] = openai_client.completions.create(model="tiny", prompt="one", max_tokens=3, seed=1).choices
+    assert single.text == plain.text
     # n > 1 without a constraint: n choices (the fork controller), each sampled on its own
     out = openai_client.completions.create(model="tiny", prompt="x", n=3, max_tokens=6, seed=2)
     assert sorted(ch.index for ch in out.choices) == [0, 1, 2] and len({ch.text for ch in out.choices}) > 1
@@ -304,8 +306,8 @@ def test_openai_streams_carry_rudder_backtrack(server, rewind_id, endpoint):
     first) on a streamed choice; applying it gives the non-streamed text."""
     chat = endpoint == "chat"
     url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
-    body = {"model": "tiny", "max_tokens": 50, "seed": 3, "rudder": {"controller": rewind_id, "controller_arg": "Hello!"},
-            **({"messages": CHAT} if chat else {"prompt": "x"})}
+    body = {"model": "tiny", "max_tokens": 50, "seed": 3, **({"messages": CHAT} if chat else {"prompt": "x"}),
+            "rudder": {"controller": rewind_id, "controller_arg": "Hello!"}}
     whole = httpx.post(url, json=body, timeout=120).json()["choices"][0]
     whole_text = whole["message"]["content"] if chat else whole["text"]
     assert whole_text.startswith("Hell") and whole["finish_reason"] == "stop"
