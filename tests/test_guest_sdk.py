@@ -1,9 +1,15 @@
 """The C guest SDK (guest-sdk/) and the controller build (rudder.controller.build).
 
-Besides building, these tests run SDK code in wasmtime through `MiniRuntime`, a small,
-slow, strict reference implementation of the host side of docs/abi.md written here in
-Python. tests/test_controllers.py uses it too, unless the real sandbox
-(rudder.controller.ControllerRuntime) is available.
+What runs where:
+- every SDK behaviour test (the probe: allocator, JSON strings, formatting, variables,
+  tokenize/detokenize, UTF-8, the trie walk, masks, ff lists, forks, stop, misuse; JSON
+  errors; the input buffer; debug builds; a bad token table; the trie walk on SmolLM2) runs
+  in the product's sandbox, `rudder.controller.ControllerRuntime`;
+- `MiniRuntime` below is a second, independent reading of the host side of docs/abi.md,
+  written here in plain wasmtime-py (slow, strict). It proves nothing about the product by
+  itself: tests/test_controllers.py runs controllers in both hosts and requires the same
+  answers step by step, and `build_token_table` here must equal the product's table byte for
+  byte, so that a misreading of the ABI in either shows up as a disagreement.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import numpy as np
 import pytest
 import wasmtime
 
-from rudder.controller import build
+from rudder.branch import Branch
+from rudder.controller import ControllerError as SandboxError
+from rudder.controller import ControllerRuntime, Limits, build
 from rudder.controller.build import BUILTIN_CONTROLLERS, BuildError, build_controller, builtin_controller, list_builtin
 from rudder.controller.host_api import IMPORTS
 from rudder.tokenizer import Tokenizer
@@ -110,7 +118,9 @@ class ControllerError(RuntimeError):
 
 
 @dataclass
-class Branch:
+class MiniBranch:
+    """The mini host's own record of a Branch (the product's is rudder.branch.Branch)."""
+
     backtrack: int = 0
     mask: np.ndarray | None = None
     ff: list[list[int]] = field(default_factory=list)
@@ -238,7 +248,7 @@ class MiniController:
         """The request's log (shared by its forks)."""
         return self.inst.log_text()
 
-    def mid_process(self, branch_idx: int, backtrack: int, tokens: list[int]) -> list[Branch]:
+    def mid_process(self, branch_idx: int, backtrack: int, tokens: list[int]) -> list[MiniBranch]:
         inst, n = self.inst, len(tokens)
         if n > self.in_cap or self.in_ptr == 0:
             ptr = inst.call("rudder_input", n) & 0xFFFFFFFF
@@ -258,7 +268,7 @@ class MiniController:
                 n_tok, toks = inst.u32s(ff + 8 * j, 2)
                 lists.append(inst.u32s(toks, n_tok))
             m = np.frombuffer(inst.read(mask, 4 * words), dtype="<u4").copy() if mask else None
-            out.append(Branch(bt, m, lists))
+            out.append(MiniBranch(bt, m, lists))
         return out
 
     def fork(self) -> "MiniController":
@@ -317,6 +327,36 @@ class MiniRuntime:
 @pytest.fixture(scope="module")
 def byte_tok() -> Tokenizer:
     return Tokenizer.byte_level(512)
+
+
+# Steps take well under the 25 ms deadline, but this machine's cores are shared: allow more.
+SLACK = Limits(mid_process_ms=2000, init_ms=10_000)
+
+
+def sandbox(tok: Tokenizer) -> ControllerRuntime:
+    """The product's sandbox for `tok` (no disk cache: these modules are throwaway)."""
+    return ControllerRuntime(tok, SLACK, cache_dir=False)
+
+
+class fails_with:
+    """A sandbox failure (ControllerError) whose message or log tail contains `text`; the
+    error is `.error` after the block."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.error = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb):
+        assert typ is not None, f"no failure (expected {self.text!r})"
+        if not issubclass(typ, SandboxError):
+            return False
+        full = f"{exc}\n{exc.log_tail}"
+        assert self.text in full, full
+        self.error = exc
+        return True
 
 
 def probe_module(tmp_path: Path, source: str, debug: bool = False) -> Path:
@@ -438,8 +478,8 @@ static uint32_t lower_push(void *self, uint32_t s, uint8_t b) {
     return (b >= 'a' && b <= 'z') ? s + 1 : RUDDER_DEAD;
 }
 static bool even_allow(void *self, uint32_t s, uint32_t tok) {
-    (void)self; (void)tok;
-    return (s & 1) == 0;
+    (void)self;
+    return (s & 1) == 0 || tok % 7 == 0;   /* even length, or an id that is a multiple of 7 */
 }
 
 static int check_alloc(void) {
@@ -577,9 +617,10 @@ def probe(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("tok_name", ["byte", "bpe"])
 def test_sdk_probe(probe, tok_name, byte_tok):
+    """The SDK's helpers, step by step, in the product's sandbox."""
     tok = byte_tok if tok_name == "byte" else tiny_bpe_tokenizer()
-    rt = MiniRuntime(tok)
-    module = rt.load(probe)  # init runs the allocator checks
+    rt = sandbox(tok)
+    module = rt.load(probe)
     ctl = rt.start(module, '["a", "b\\"c\\\\", "\\u00e9\\ud83d\\ude00", ""]')
     assert "json 4: [a] [b\"c\\] [é😀] []" in ctl.log_text()
     prompt = tok.encode("hi")
@@ -613,10 +654,10 @@ def test_sdk_probe(probe, tok_name, byte_tok):
     expect = set(first_of.values())
     got = set(np.flatnonzero(np.unpackbits(b.mask.view(np.uint8), bitorder="little")))
     assert got == expect and f"count {len(expect)}" in ctl.log_text()
-    # step 2: allow() filters on the state after the token; ff lists; two branches
+    # step 2: allow() filters on the state after the token and the token id; ff lists; two branches
     b0, b1 = ctl.mid_process(0, 0, [101])
     got = set(np.flatnonzero(np.unpackbits(b0.mask.view(np.uint8), bitorder="little")))
-    assert got == {i for i in expect if len(tok.token_bytes[i]) % 2 == 0}
+    assert got == {i for i in expect if len(tok.token_bytes[i]) % 2 == 0 or i % 7 == 0}
     assert b0.ff == [[7, 8, 9], [10, 8]] and b0.backtrack == 0
     assert b1 == Branch(2, None, [[10]])
     # the fork sees branch 1, the original branch 0
@@ -632,25 +673,34 @@ def test_sdk_probe(probe, tok_name, byte_tok):
     # step 4 stops; step 5 is an SDK-detected misuse -> failure with a clear log
     assert ctl.mid_process(0, 3, []) == []
     assert "step 4 idx 0 bt 3 app 0 seq 4 prompt 2" in ctl.log_text()
-    with pytest.raises(ControllerError, match="rudder_out_ff_list needs a masked branch"):
+    with fails_with("rudder_out_ff_list needs a masked branch"):
         ctl.mid_process(0, 0, [5])
+    for c in (ctl, other):
+        c.close()
+    rt.close()
 
 
 @pytest.mark.parametrize("arg", ['"x"', "[", '["a" "b"]', '["\\q"]', '["\\ud800"]', '["a"] x', '["a\nb"]'])
 def test_json_errors(probe, byte_tok, arg):
-    rt = MiniRuntime(byte_tok)
-    ctl = rt.start(rt.load(probe), arg)
-    assert "json error: " in ctl.log_text() and " at byte " in ctl.log_text()
+    with sandbox(byte_tok) as rt:
+        ctl = rt.start(rt.load(probe), arg)
+        assert "json error: " in ctl.log_text() and " at byte " in ctl.log_text()
+        assert "json " not in ctl.log_text().replace("json error: ", "")  # no list was parsed
 
 
 def test_input_buffer_grows_and_backtrack_into_prompt(probe, byte_tok):
-    rt = MiniRuntime(byte_tok)
-    ctl = rt.start(rt.load(probe), "[]")
-    prompt = [random.Random(0).randrange(3, 259) for _ in range(3000)]
-    ctl.mid_process(0, 0, prompt)
-    assert ctl.in_cap >= 3000 and "seq 3000 prompt 3000" in ctl.log_text()
-    with pytest.raises(ControllerError, match="invalid step"):
-        ctl.mid_process(0, 5000, [])
+    """A 3000-token prompt makes the host ask the SDK for a bigger input buffer, and the SDK
+    sees every token; backtracking past the start of the sequence is the SDK's "invalid step"."""
+    with sandbox(byte_tok) as rt:
+        ctl = rt.start(rt.load(probe), "[]")
+        rng = random.Random(0)
+        prompt = [rng.randrange(3, 259) for _ in range(3000)]
+        ctl.mid_process(0, 0, prompt[:10])
+        ctl.mid_process(0, 0, prompt[10:])   # 2990 tokens: more than the first buffer holds
+        assert "seq 10 prompt 10" in ctl.log_text() and "app 2990 seq 3000 prompt 10" in ctl.log_text()
+        assert ctl._in_cap >= 2990  # white-box: the host asked rudder_input for more room
+        with fails_with("invalid step"):
+            ctl.mid_process(0, 5000, [])
 
 
 def test_debug_build_traps_on_undefined_behaviour(tmp_path, byte_tok):
@@ -659,26 +709,30 @@ def test_debug_build_traps_on_undefined_behaviour(tmp_path, byte_tok):
     static volatile int32_t big = 0x7fffffff;
     void controller_step(const rudder_step *s, rudder_out *o) { (void)o; big += (int32_t)s->n_tokens; }
     """
-    rt = MiniRuntime(byte_tok)
-    release = rt.start(rt.load(probe_module(tmp_path, src)))
-    release.mid_process(0, 0, [5])  # wraps silently
-    debug = rt.start(rt.load(probe_module(tmp_path, src, debug=True)))
-    with pytest.raises(ControllerError, match="trapped"):
-        debug.mid_process(0, 0, [5])
+    with sandbox(byte_tok) as rt:
+        release = rt.start(rt.load(probe_module(tmp_path, src)))
+        assert release.mid_process(0, 0, [5]) == []  # wraps silently (no branch: it stops)
+        debug = rt.start(rt.load(probe_module(tmp_path, src, debug=True)))
+        with fails_with("trapped") as failure:
+            debug.mid_process(0, 0, [5])
+        assert failure.error.kind == "trap"
 
 
 def test_bad_token_table_fails_init(probe, byte_tok):
-    rt = MiniRuntime(byte_tok)
-    rt.table = rt.table[:-8]
-    with pytest.raises(ControllerError, match="bad token table"):
-        rt.load(probe)
+    """The SDK checks the table the host hands it (here truncated, white-box) and fails init."""
+    with sandbox(byte_tok) as rt:
+        rt._shared._table = bytes(rt._shared.token_table[:-8])
+        module = rt.load(probe)
+        with fails_with("bad token table") as failure:
+            rt.start(module, "[]")
+        assert failure.error.kind == "init"
 
 
 @pytest.mark.model
 def test_trie_walk_on_smollm2(probe, smollm2_tokenizer):
     """The real vocabulary (49152 tokens, 313 partial UTF-8 ones): same answer as Python."""
     tok = smollm2_tokenizer
-    rt = MiniRuntime(tok)
+    rt = sandbox(tok)
     ctl = rt.start(rt.load(probe), "[]")
     ctl.mid_process(0, 0, tok.encode("hi"))
     [b] = ctl.mid_process(0, 0, [100])
@@ -689,6 +743,18 @@ def test_trie_walk_on_smollm2(probe, smollm2_tokenizer):
             first_of.setdefault(t, i)
     got = set(np.flatnonzero(np.unpackbits(b.mask.view(np.uint8), bitorder="little")))
     assert got == set(first_of.values())
+    rt.close()
+
+
+@pytest.mark.parametrize("tok_name", ["byte", "bpe", pytest.param("smollm2", marks=pytest.mark.model)])
+def test_token_table_matches_an_independent_reading(tok_name, byte_tok, request):
+    """The product's RTT1 table (rudder.controller.token_table) is byte for byte the one this
+    file builds from docs/abi.md on its own."""
+    from rudder.controller.token_table import build_token_table as product_table
+
+    tok = {"byte": lambda: byte_tok, "bpe": tiny_bpe_tokenizer,
+           "smollm2": lambda: request.getfixturevalue("smollm2_tokenizer")}[tok_name]()
+    assert product_table(tok) == build_token_table(tok)
 
 
 def test_environment_cache_dir_is_project_owned(tmp_path, monkeypatch):

@@ -1,4 +1,6 @@
-"""Our decoder against transformers on the same GGUF: logits to ~1e-4, greedy token for token.
+"""Our decoder against transformers on the same GGUF: last-position logits within 2e-4 of
+transformers' (fp32; measured here: at most 9.1e-5 over the 8 prompts, on logits up to ~30),
+greedy output token for token.
 
 transformers reads the original GGUF itself (its own dequantisation and RoPE handling), so this
 checks our conversion, our model and our paged attention together."""
@@ -9,6 +11,8 @@ import torch
 from rudder import LLM, SamplingParams
 
 pytestmark = pytest.mark.model
+
+MAX_LOGIT_DIFF = 2e-4  # twice the largest difference measured (9.1e-5): float32 rounding, not a bug
 
 PROMPTS = [
     "The capital of France is",
@@ -24,8 +28,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf_dir):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - transformers' GGUF loader needs it (the `test` extra has both)
+    import transformers
+
     folder, name = smollm2_gguf_dir
     return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
@@ -51,7 +56,7 @@ def test_prompt_logits_match(llm, hf_model):
             engine.runner.run = run
         engine.release(req)
         diff = (logits["x"][0] - ref).abs().max().item()
-        assert diff < 1e-3, f"{prompt!r}: max logit difference {diff}"
+        assert diff < MAX_LOGIT_DIFF, f"{prompt!r}: max logit difference {diff}"
 
 
 def test_greedy_output_matches_token_for_token(llm, hf_model):

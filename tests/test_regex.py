@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import llguidance
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -507,7 +508,6 @@ def test_masks_agree_with_llguidance(smol_rt, regex_module, smollm2_tokenizer, s
     """Step by step, the allowed sets are identical apart from special tokens (not text: EOS is
     compared alone). Both decide on a token's bytes only, so tokens with identical bytes are
     allowed or refused together; on these documents no other difference shows up."""
-    llguidance = pytest.importorskip("llguidance")
     tok = smollm2_tokenizer
     eos = tok.eos_token_id
     ll_tok = llguidance.LLTokenizer(str(smollm2_folder / "tokenizer.json"), eos_token=eos)

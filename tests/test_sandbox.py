@@ -3,7 +3,6 @@ request state, the token table, the module cache, parallelism."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -366,16 +365,28 @@ def test_corrupt_disk_cache_is_recompiled(tok, tmp_path):
     assert path.stat().st_size > 100
 
 
-def test_start_timing(rt, good):
-    for _ in range(5):
-        rt.start(good, "m").close()
-    times = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        c = rt.start(good, "m")
-        times.append(time.perf_counter() - t0)
-        c.close()
-    print(f"\nrequest start (cached module): median {np.median(times) * 1e6:.0f} us")
+def test_start_restores_the_snapshot_and_runs_only_rudder_start(tok, tmp_path, monkeypatch):
+    """Starting a request on a loaded module compiles nothing and runs rudder_init no more:
+    it restores the post-init snapshot into a fresh instance and runs rudder_start; closing
+    the controller gives its store back. (How long a start takes is benchmarks/' business.)"""
+    wasm = wasm_of(GOOD_WAT.replace("0xABCD", "0xABCA"))  # a module no other test initialised
+    with ControllerRuntime(tok, cache_dir=tmp_path) as rt:
+        inits = []
+        run_init = rt._run_init
+        monkeypatch.setattr(rt, "_run_init", lambda cmod: inits.append(cmod) or run_init(cmod))
+        module = rt.load(wasm)
+        stats = dict(rt.cache.stats)
+        live = rt._ticker._live
+        for i in range(20):
+            ctl = rt.start(module, "c")
+            assert peek(ctl, 0x130) == 0xABCA  # rudder_init's write, from the snapshot
+            # the snapshot's counters (memory 0, global 200), whatever earlier requests did
+            for k in range(1, 3 + i % 3):
+                assert ctl.mid_process(0, 0, [1])[0].ff == [[k, 200 + k]]
+            ctl.close()
+        assert len(inits) == 1  # rudder_init ran once, for the first start
+        assert rt.cache.stats == stats  # starts load and compile nothing
+        assert rt._ticker._live == live  # every closed controller gave its store back
 
 
 # ----------------------------------------------------------------------------- parallelism
@@ -423,40 +434,49 @@ def test_gil_released_during_guest_code(tok):
         assert during > 1000, during
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
-def test_two_controllers_run_in_parallel(tok):
-    """Two ~100 ms busy steps on two threads take about 100 ms, not 200."""
-    with _busy_runtime(tok) as rt:
-        module = rt.load(wasm_of(busy_wat()))
-        arg = _calibrated(rt, module, 0.1)
-        tries = []
-        for _ in range(5):  # the machine is shared: take the best of a few tries
-            ctls = [rt.start(module, arg) for _ in range(2)]
-            barrier = threading.Barrier(2)
-            cpu = [0.0, 0.0]
+HANDSHAKE_WAT = controller_wat(
+    extra='(data (i32.const 0x300) "in") (data (i32.const 0x310) "go") (data (i32.const 0x320) "1")',
+    # branch 0 says it is in (var "in"), then waits in guest code until var "go" is set;
+    # branch 1 sets "go".
+    mid="""(if (i32.eqz (local.get $b))
+             (then
+               (drop (call $var_set (i32.const 0x300) (i32.const 2) (i32.const 0x320) (i32.const 1)))
+               (block $done (loop $l
+                 (br_if $done (i32.ne (call $var_get (i32.const 0x310) (i32.const 2) (i32.const 0x330) (i32.const 4))
+                                      (i32.const -1)))
+                 (br $l))))
+             (else (drop (call $var_set (i32.const 0x310) (i32.const 2) (i32.const 0x320) (i32.const 1)))))
+           (i32.const 0x100)""")
 
-            def run(k):
-                barrier.wait()
-                t = time.thread_time()
-                ctls[k].mid_process(0, 0, [1])
-                cpu[k] = time.thread_time() - t
 
-            threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            for c in ctls:
-                assert not c.failed
-                c.close()
-            tries.append((wall, sum(cpu) / wall))
-            # Other work on this shared machine can steal the second core; the two threads
-            # having used more CPU time than wall time still shows they ran at once.
-            if wall < 0.17 or sum(cpu) / wall > 1.3:
-                break
-        wall, ratio = min(tries)
-        print(f"\ntwo ~100 ms steps on two threads: {wall * 1e3:.0f} ms (CPU/wall {ratio:.2f})")
-        if not any(w < 0.17 or r > 1.3 for w, r in tries):
-            pytest.skip(f"no second core free to measure a speed-up: {tries}")
+def test_two_controllers_run_at_the_same_time(tok):
+    """Two forks of one request step on two threads at once (docs: forks run in parallel).
+    Deterministic, whatever the machine's load: fork 0's step cannot return before fork 1's
+    step has run, so a runtime that serialised steps would hold fork 1 back until fork 0's
+    deadline and fork 0 would fail with a timeout. (The speed-up this gives on two free cores
+    is measured in benchmarks/, not asserted here.)"""
+    with ControllerRuntime(tok, limits=Limits(mid_process_ms=30_000), cache_dir=False) as rt:
+        waiter = rt.start(rt.load(wasm_of(HANDSHAKE_WAT)), "")
+        setter = waiter.fork()
+        outcome: list = []
+
+        def wait_in_guest():
+            try:
+                outcome.append(waiter.mid_process(0, 0, [1]))
+            except ControllerError as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=wait_in_guest)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while b"in" not in waiter.request.vars:  # fork 0 is now inside its step
+            assert time.monotonic() < deadline and thread.is_alive(), outcome
+            time.sleep(0.001)
+        assert setter.mid_process(1, 0, [1])[0].samples  # fork 1's whole step, meanwhile
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        [result] = outcome
+        assert not isinstance(result, ControllerError), result
+        assert result[0].samples and waiter.request.vars == {b"in": b"1", b"go": b"1"}
+        waiter.close()
+        setter.close()

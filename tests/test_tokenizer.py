@@ -300,7 +300,8 @@ def test_sentencepiece_token_bytes():
 @pytest.fixture(scope="module")
 def hf_reference_tokenizer(smollm2_gguf_dir):
     """transformers' own tokenizer for the same GGUF (built offline from its metadata)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the `test` extra: missing, the test errors (never skips)
+
     folder, name = smollm2_gguf_dir
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 

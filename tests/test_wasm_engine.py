@@ -21,9 +21,17 @@ HOSTILE = {
     "trap": (controller_wat(mid="unreachable"), b"", "trap"),
     "garbage pointer": (controller_wat(mid="(i32.const -16)"), b"", "invalid_result"),
     "null result": (controller_wat(mid="(i32.const 0)"), b"", "invalid_result"),
-    "memory bomb": (controller_wat(mid_locals="", mid="""
+    # grows a page at a time until memory.grow says no (-1), then reads out of bounds
+    "memory bomb": (controller_wat(mid="""
+        (block $oom (loop $l (br_if $oom (i32.eq (memory.grow (i32.const 1)) (i32.const -1))) (br $l)))
+        (i32.load (i32.const 0x7fffffff))"""), b"", "oom"),
+    # the same in steps of 16 pages: the last grow that fails leaves memory 14 pages short of the limit
+    "memory bomb in big steps": pytest.param(
+        controller_wat(mid="""
         (block $oom (loop $l (br_if $oom (i32.eq (memory.grow (i32.const 16)) (i32.const -1))) (br $l)))
-        (i32.load (i32.const 0x7fffffff))"""), b"", None),
+        (i32.load (i32.const 0x7fffffff))"""), b"", "oom", marks=pytest.mark.xfail(strict=True, reason=(
+            "product bug: a trap after memory.grow was refused is kind 'trap', not 'oom', unless memory is "
+            "within one page of the limit (controller/instance.py _call_error checks size + one page > limit)"))),
 }
 
 
@@ -32,15 +40,23 @@ def tiny():
     return LLM("tiny", kv_cache_tokens=2048, block_size=8)
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_controller_fails_alone(tiny, name):
-    wat, arg, kind = HOSTILE[name]
+def _hostile_cases():
+    for name in sorted(HOSTILE):
+        case = HOSTILE[name]
+        if hasattr(case, "marks"):   # a pytest.param
+            yield pytest.param(*case.values, marks=case.marks, id=name)
+        else:
+            yield pytest.param(*case, id=name)
+
+
+@pytest.mark.parametrize("wat,arg,kind", list(_hostile_cases()))
+def test_hostile_controller_fails_alone(tiny, wat, arg, kind):
     prompt = "The good request"
     [solo] = tiny.generate([prompt], GREEDY)
     hostile = tiny.start_controller(wasm_of(wat), arg)
     good, bad = tiny.generate([prompt, "a hostile one"], GREEDY, controllers=[None, hostile])
     assert good.token_ids == solo.token_ids and good.finish_reason == "length"
-    assert bad.finish_reason == "error" and bad.error.startswith(f"controller {kind or ''}")
+    assert bad.finish_reason == "error" and bad.error.startswith(f"controller {kind}: "), bad.error
     assert tiny.engine.block_manager.num_free == tiny.engine.block_manager.num_blocks
     assert not tiny.engine.has_unfinished()
 
@@ -53,8 +69,6 @@ def test_a_module_that_fails_to_load_is_a_clear_error(tiny):
 
 
 # -- built-in controllers on SmolLM2, through the CLI ------------------------------------------
-
-pytestmark_model = pytest.mark.model
 
 
 def rudder_run(*args: str) -> tuple[str, str]:

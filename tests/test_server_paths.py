@@ -1,0 +1,357 @@
+"""Server paths users touch that tests/test_server.py does not: admission queueing, a full
+registry, restricted mode's tags, `stop` and `messages` on /v1/run, the OpenAI endpoints'
+constraint rules and their streamed backtracks, and the 500 handler.
+
+Real HTTP on loopback (uvicorn in a thread, tests/serve_util.py) over the tiny random-weight
+model: no SmolLM2, offline. The `rudder serve` command line itself is in test_server_flags.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import re
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+from controller_wat import GOOD_WAT, wasm_of
+from rudder.controller.build import BUILTIN_CONTROLLERS, build_controller
+from rudder.server import ServerConfig
+from serve_util import LiveServer, apply_deltas, sse_events
+
+# Forces the argument's tokens, then takes the last two back and samples on to 8 tokens: a
+# stream with a visible backtrack.
+REWIND_C = r'''
+#include "rudder.h"
+static uint32_t *forced, n_forced;
+int controller_start(const char *arg, uint32_t len) {
+    forced = rudder_tokenize(arg, len, &n_forced);
+    return forced && n_forced >= 2 ? 0 : 1;
+}
+void controller_step(const rudder_step *step, rudder_out *out) {
+    if (step->index == 0) {
+        rudder_out_ff(out, forced, n_forced);
+        return;
+    }
+    if (step->index == 1) {
+        rudder_out_sample(out, NULL)->backtrack = 2;
+        return;
+    }
+    if (step->n_seq - step->n_prompt < 8)
+        rudder_out_sample(out, NULL);
+}
+'''
+
+# "A request that runs": its 2047 tokens (the tiny model's context) take ~20 s with 12 layers,
+# far longer than the checks made meanwhile; the tests cancel it once they are done.
+LONG = {"max_tokens": 4000, "ignore_eos": True}
+SLOW_TINY = "tiny:12"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(ServerConfig(model="tiny", max_tokens=5000, max_concurrent=4, max_queue=4)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def rewind_id(server, tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("rewind")
+    (d / "rewind.c").write_text(REWIND_C)
+    wasm = build_controller([d / "rewind.c"], d / "rewind.wasm").read_bytes()
+    r = httpx.post(server.url + "/v1/controllers", content=wasm)
+    assert r.status_code == 200, r.text
+    return r.json()["module_id"]
+
+
+def wait_for(predicate, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def error_of(r: httpx.Response, status: int, kind: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["type"] == kind, body
+    return body["message"]
+
+
+def run(c: httpx.Client, **body) -> dict:
+    r = c.post("/v1/run", json={"stream": False, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# -- admission -----------------------------------------------------------------------------------
+
+def test_a_queued_request_waits_then_runs():
+    """max_concurrent 1, max_queue 2: while one request runs, two more wait (and say so in
+    /healthz and /metrics), a fourth is refused with 429 at once; when the running one ends,
+    the waiting ones run, in order."""
+    cfg = ServerConfig(model=SLOW_TINY, max_concurrent=1, max_queue=2, max_tokens=5000)
+    with LiveServer(cfg) as s, s.client() as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done_at = {}
+
+        def short(name):
+            with s.client() as own:
+                r = own.post("/v1/run", json={"prompt": name, "max_tokens": 3, "stream": False, "ignore_eos": True})
+            done_at[name] = time.monotonic()
+            return r
+
+        with c.stream("POST", "/v1/run", json={"prompt": "a", **LONG}) as running:
+            events = sse_events(running)
+            assert next(events)["type"] == "step"
+            first = pool.submit(short, "b")
+            assert wait_for(lambda: c.get("/healthz").json()["queued"] == 1)
+            second = pool.submit(short, "c")
+            assert wait_for(lambda: c.get("/healthz").json()["queued"] == 2)
+            health = c.get("/healthz").json()
+            assert (health["running"], health["queued"]) == (1, 2)
+            assert s.metrics()["rudder_queue_depth"] == 2
+            message = error_of(httpx.post(s.url + "/v1/run", json={"prompt": "d", "max_tokens": 3}), 429,
+                               "too_many_requests")
+            assert "1 running, 2 queued" in message
+            assert not first.done() and not second.done()   # they wait while the first runs
+        # the stream is closed: the long request is cancelled and the queue moves
+        for f in (first, second):
+            r = f.result(timeout=60)
+            assert r.status_code == 200, r.text
+            [choice] = r.json()["choices"]
+            assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 3
+        assert done_at["b"] <= done_at["c"]
+        assert wait_for(lambda: (c.get("/healthz").json()["running"], c.get("/healthz").json()["queued"]) == (0, 0))
+
+
+# -- registry --------------------------------------------------------------------------------------
+
+def test_a_full_registry_refuses_new_modules_with_413():
+    """The registry keeps at most max_modules modules (the built-in ones included): a new one
+    past that is 413; the same bytes again are the same module, not a new one."""
+    cfg = ServerConfig(model="tiny", max_modules=len(BUILTIN_CONTROLLERS) + 1)
+    one, two = (bytes(wasm_of(GOOD_WAT.replace("0xABCD", m))) for m in ("0x1111", "0x2222"))
+    with LiveServer(cfg) as s, s.client() as c:
+        assert set(c.get("/v1/controllers/tags").json()["builtin"]) == set(BUILTIN_CONTROLLERS)
+        first = c.post("/v1/controllers", content=one)
+        assert first.status_code == 200, first.text
+        full = c.post("/v1/controllers", content=two)
+        assert f"the registry is full ({cfg.max_modules} modules)" in error_of(full, 413, "payload_too_large")
+        again = c.post("/v1/controllers", content=one)
+        assert again.status_code == 200 and again.json()["module_id"] == first.json()["module_id"]
+        assert len(c.get("/v1/controllers").json()["data"]) == cfg.max_modules
+        # the module that got in runs
+        out = run(c, prompt="x", controller=first.json()["module_id"], controller_arg="m", max_tokens=2)
+        assert out["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_restricted_mode_refuses_uploads_and_tag_changes():
+    with LiveServer(ServerConfig(model="tiny", restricted=True)) as s, s.client() as c:
+        tags = c.get("/v1/controllers/tags").json()
+        assert error_of(c.post("/v1/controllers", content=bytes(wasm_of(GOOD_WAT))), 403, "forbidden") == \
+            "uploads are disabled on this server (--restricted)"
+        retag = c.post("/v1/controllers/tags", json={"tag": "mine", "module_id": tags["tags"]["force"]})
+        assert "tags cannot be changed" in error_of(retag, 403, "forbidden")
+        assert c.get("/v1/controllers/tags").json() == tags   # nothing changed
+        out = run(c, prompt="x", controller="force", controller_arg="built-in ones still run")
+        assert out["choices"][0]["text"] == "built-in ones still run"
+
+
+# -- /v1/run -----------------------------------------------------------------------------------
+
+def test_stop_strings_over_http(server, openai_client):
+    """`stop` (a string or a list) cuts the text before the first stop string, sampled or
+    fast-forwarded, with finish_reason "stop"; /v1/completions does the same."""
+    with server.client() as c:
+        forced = run(c, prompt="x", controller="force", controller_arg="Hello, world. Bye", stop=["Bye", "world"])
+        assert forced["choices"][0] == {"branch": 0, "text": "Hello, ", "finish_reason": "stop"}
+        body = {"prompt": "hello there", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        whole = run(c, **body)["choices"][0]["text"]
+        assert len(whole) > 12
+        stop = whole[8:11]
+        want = whole[: whole.find(stop)]
+        cut = run(c, **body, stop=stop)["choices"][0]
+        assert cut == {"branch": 0, "text": want, "finish_reason": "stop"}
+        streamed: dict[int, str] = {}
+        with c.stream("POST", "/v1/run", json={**body, "stop": [stop]}) as r:
+            events = list(sse_events(r))
+        for e in events[:-1]:
+            apply_deltas(streamed, e["deltas"])
+        assert streamed[0] == want and events[-1]["choices"][0]["finish_reason"] == "stop"
+    out = openai_client.completions.create(model="tiny", prompt="hello there", max_tokens=40, temperature=0,
+                                           stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+
+
+def test_run_with_messages_is_the_chat_template(server):
+    """/v1/run with `messages` is the same request as the prompt the chat template makes of them
+    (streamed or not); exactly one of prompt and messages."""
+    from rudder.tokenizer import Tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    tok = Tokenizer.byte_level(512)   # the tiny model's
+    prompt = tok.apply_chat_template(messages)
+    assert "Be brief." in prompt and "Hi there" in prompt
+    body = {"max_tokens": 12, "seed": 5, "temperature": 0.9}
+    with server.client() as c:
+        by_messages = run(c, messages=messages, **body)
+        by_prompt = run(c, prompt=prompt, **body)
+        assert by_messages["choices"] == by_prompt["choices"]
+        assert by_messages["usage"]["prompt_tokens"] == len(tok.encode(prompt)) == by_prompt["usage"]["prompt_tokens"]
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+        assert run(c, messages=[messages[0], *parts], **body)["choices"] == by_messages["choices"]
+        streamed: dict[int, str] = {}
+        with c.stream("POST", "/v1/run", json={"messages": messages, **body}) as r:
+            for e in sse_events(r):
+                if e["type"] == "step":
+                    apply_deltas(streamed, e["deltas"])
+        assert streamed[0] == by_messages["choices"][0]["text"]
+        both = c.post("/v1/run", json={"prompt": "x", "messages": messages})
+        assert error_of(both, 400, "invalid_request") == "give either prompt or messages"
+        assert error_of(c.post("/v1/run", json={"messages": [{"content": "no role"}]}), 400, "invalid_request")
+
+
+# -- OpenAI endpoints: constraints -------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "Answer."}]
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok"]}
+GRAMMAR = 'start: "yes" | "no" | NUMBER\nNUMBER: /[0-9]{1,3}/\n'
+
+
+def _native(server, controller: str, arg: str, seed: int, max_tokens: int) -> dict:
+    with server.client() as c:
+        return run(c, messages=CHAT, controller=controller, controller_arg=arg, seed=seed, max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("constraint,controller,arg", [
+    ({"response_format": {"type": "json_object"}}, "json", "{}"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}, "json",
+     json.dumps(SCHEMA)),
+    ({"rudder": {"grammar": GRAMMAR}}, "grammar", GRAMMAR),
+    ({"rudder": {"regex": "[A-Z][a-z]{2,5}"}}, "regex", "[A-Z][a-z]{2,5}"),
+    ({"rudder": {"controller": "force", "controller_arg": "Ahoy"}}, "force", "Ahoy"),
+], ids=["json_object", "json_schema", "grammar", "regex", "controller"])
+def test_openai_constraints_map_onto_the_builtin_controllers(server, constraint, controller, arg):
+    """Each constraint of a chat completion is the named built-in controller with that
+    argument: the same seed gives the very text /v1/run gives with it."""
+    checked = 0
+    for seed in range(3):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": CHAT, "max_tokens": 60, "seed": seed, **constraint})
+        assert r.status_code == 200, r.text
+        [choice] = r.json()["choices"]
+        native = _native(server, controller, arg, seed, 60)["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (native["text"], native["finish_reason"])
+        text = choice["message"]["content"]
+        if choice["finish_reason"] == "length":
+            continue
+        checked += 1
+        if controller == "json":
+            value = json.loads(text)
+            if "json_schema" in constraint.get("response_format", {}):
+                jsonschema.validate(value, SCHEMA)
+        elif controller == "grammar":
+            assert re.fullmatch("yes|no|[0-9]{1,3}", text), text
+        elif controller == "regex":
+            assert re.fullmatch("[A-Z][a-z]{2,5}", text), text
+        else:
+            assert text == "Ahoy"
+    assert checked >= 1   # not vacuous: some outputs finished
+
+
+def test_openai_constraint_rules(server, openai_client):
+    """One constraint at a time; n > 1 only without one; one prompt per completion request; a
+    json_schema needs its schema. Each refusal is a 400 the OpenAI client raises."""
+    import openai
+
+    url = server.url + "/v1/chat/completions"
+    two = [{"response_format": {"type": "json_object"}, "rudder": {"regex": "a+"}},
+           {"rudder": {"regex": "a+", "grammar": GRAMMAR}},
+           {"rudder": {"grammar": GRAMMAR, "controller": "force", "controller_arg": "x"}}]
+    for body in two:
+        r = httpx.post(url, json={"messages": CHAT, **body})
+        assert error_of(r, 400, "invalid_request").startswith("give one constraint")
+    for body in [{"response_format": {"type": "json_object"}}, {"rudder": {"regex": "a+"}}]:
+        r = httpx.post(url, json={"messages": CHAT, "n": 2, **body})
+        assert "n > 1 works without a constraint only" in error_of(r, 400, "invalid_request")
+    schemaless = {"type": "json_schema", "json_schema": {"name": "x"}}
+    r = httpx.post(url, json={"messages": CHAT, "response_format": schemaless})
+    assert "needs json_schema.schema" in error_of(r, 400, "invalid_request")
+    with pytest.raises(openai.BadRequestError, match="send one prompt per request"):
+        openai_client.completions.create(model="tiny", prompt=["one", "two"], max_tokens=3)
+    [single] = openai_client.completions.create(model="tiny", prompt=["one"], max_tokens=3, seed=1).choices
+    [plain] = openai_client.completions.create(model="tiny", prompt="one", max_tokens=3, seed=1).choices
+    assert single.text == plain.text
+    # n > 1 without a constraint: n choices (the fork controller), each sampled on its own
+    out = openai_client.completions.create(model="tiny", prompt="x", n=3, max_tokens=6, seed=2)
+    assert sorted(ch.index for ch in out.choices) == [0, 1, 2] and len({ch.text for ch in out.choices}) > 1
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_openai_streams_carry_rudder_backtrack(server, rewind_id, endpoint):
+    """A controller that takes text back shows as `rudder_backtrack` (characters to delete
+    first) on a streamed choice; applying it gives the non-streamed text."""
+    chat = endpoint == "chat"
+    url = server.url + ("/v1/chat/completions" if chat else "/v1/completions")
+    body = {"model": "tiny", "max_tokens": 50, "seed": 3, **({"messages": CHAT} if chat else {"prompt": "x"}),
+            "rudder": {"controller": rewind_id, "controller_arg": "Hello!"}}
+    whole = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    whole_text = whole["message"]["content"] if chat else whole["text"]
+    assert whole_text.startswith("Hell") and whole["finish_reason"] == "stop"
+    text, backtracks, chunks = "", [], []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for chunk in sse_events(r):
+            chunks.append(chunk)
+            if chunk == "[DONE]":
+                break
+            for choice in chunk["choices"]:
+                if choice.get("rudder_backtrack"):
+                    backtracks.append(choice["rudder_backtrack"])
+                    text = text[: len(text) - choice["rudder_backtrack"]]
+                text += choice["delta"]["content"] if chat else choice["text"]
+    assert chunks[-1] == "[DONE]"
+    assert backtracks == [2]   # "o!" taken back, once
+    assert text == whole_text
+    plain = [ch for ch in chunks[:-1] for choice in ch["choices"] if "rudder_backtrack" not in choice]
+    assert plain   # the other chunks carry no such field
+
+
+# -- the 500 handler ---------------------------------------------------------------------------
+
+def test_an_unexpected_error_is_a_plain_500(server, caplog):
+    """A bug in a handler is logged with its traceback and answered with a JSON 500 that tells
+    the client nothing of it; the server keeps serving."""
+    registry = server.app.state.service.registry
+
+    def broken():
+        raise RuntimeError("secret internal detail")
+
+    before = server.metrics().get('rudder_requests_total{endpoint="/v1/controllers",status="500"}', 0)
+    with caplog.at_level(logging.ERROR, logger="rudder.server"):
+        registry.describe = broken
+        try:
+            r = httpx.get(server.url + "/v1/controllers")
+        finally:
+            del registry.describe
+    assert r.status_code == 500
+    assert r.json() == {"error": {"type": "internal_error", "message": "internal server error"}}
+    assert "secret" not in r.text and "Traceback" not in r.text
+    logged = [rec for rec in caplog.records if rec.name == "rudder.server" and rec.exc_info]
+    assert logged and "secret internal detail" in str(logged[0].exc_info[1])
+    assert server.metrics()['rudder_requests_total{endpoint="/v1/controllers",status="500"}'] == before + 1
+    assert httpx.get(server.url + "/v1/controllers").status_code == 200
+    assert httpx.get(server.url + "/healthz").json()["status"] == "ok"
