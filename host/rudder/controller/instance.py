@@ -289,12 +289,13 @@ class Instance:
         if code == TRAP_INTERRUPT:
             return ControllerError("timeout", f"{name} ran past its deadline of {ms:g} ms", self.log_tail())
         what = _describe_trap(code, message)
-        if code != TRAP_STACK_OVERFLOW and self.size + WASM_PAGE > self.memory_limit:
-            # memory.grow has been failing: the trap is most likely the guest's reaction
-            # to running out of memory (a failed malloc, an abort()).
+        if code != TRAP_STACK_OVERFLOW and self.size + _oom_margin(self.memory_limit) > self.memory_limit:
+            # Near the limit, memory.grow has most likely been failing (a guest may grow in big
+            # steps, so "near" is an eighth of the limit): the trap is most likely the guest's
+            # reaction to running out of memory (a failed malloc, an abort()).
             return ControllerError(
-                "oom", f"{name} trapped with its memory at the {self.memory_limit >> 20} MiB limit "
-                f"(out of memory?): {what}", self.log_tail())
+                "oom", f"{name} trapped with its memory at {self.size >> 20} of its {self.memory_limit >> 20} MiB "
+                f"limit (out of memory?): {what}", self.log_tail())
         return ControllerError("trap", f"{name} trapped: {what}", self.log_tail())
 
     def _instantiate_error(self, err) -> ControllerError:
@@ -312,6 +313,10 @@ class Instance:
             return ControllerError("oom", f"cannot instantiate the controller within the memory "
                                    f"limit of {self.memory_limit >> 20} MiB: {first}", self.log_tail())
         return ControllerError("trap", f"cannot instantiate the controller: {first}", self.log_tail())
+
+
+def _oom_margin(limit: int) -> int:
+    return max(16 * WASM_PAGE, limit // 8)
 
 
 def _first_line(message: str) -> str:
