@@ -76,12 +76,11 @@ def measure_overhead(tokenizer, calls: int = 20000) -> dict:
         tokens = [5]
         step = _stats(_timed(lambda: ctl.mid_process(0, 0, tokens), calls))
         inst = ctl._inst
-        func = inst.funcs["rudder_mid_process"]
         ticks = ctl._ticks
 
         def raw():
             inst.vals_i32[8] = 0
-            inst.call_func(func, "rudder_mid_process", 3, ticks, 25)
+            inst.call("rudder_mid_process", 3, ticks, 25)
 
         raw_stats = _stats(_timed(raw, calls))
 

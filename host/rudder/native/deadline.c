@@ -13,6 +13,9 @@
 #include <time.h>
 
 typedef void *(*rudder_error_new_fn)(const char *message);   /* wasmtime_error_new */
+typedef void (*rudder_set_deadline_fn)(void *context, uint64_t ticks);  /* wasmtime_context_set_epoch_deadline */
+typedef void *(*rudder_call_fn)(void *context, const void *func, void *args, size_t n, void **trap);
+                                                              /* wasmtime_func_call_unchecked */
 
 typedef struct rudder_deadline {
     int64_t cpu_limit_ns;   /* thread CPU time (CLOCK_THREAD_CPUTIME_ID) at which the call is over */
@@ -21,6 +24,8 @@ typedef struct rudder_deadline {
     int64_t tick_ns;        /* the epoch tick */
     int32_t expired;        /* 1: CPU budget spent, 2: wall cap reached (set when the call is ended) */
     rudder_error_new_fn error_new;
+    rudder_set_deadline_fn set_deadline;
+    rudder_call_fn call;
 } rudder_deadline;
 
 static int64_t now_ns(clockid_t clock) {
@@ -40,6 +45,15 @@ void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall
 /* CPU time this thread still has before the call is over budget (negative: over). */
 int64_t rudder_deadline_left_ns(const rudder_deadline *d) {
     return d->cpu_limit_ns - d->charged_ns - now_ns(CLOCK_THREAD_CPUTIME_ID);
+}
+
+/* One call into the guest under a fresh budget: arm, set the epoch deadline, call (one crossing
+ * from Python instead of three: this is on the per-token path). */
+void *rudder_guarded_call(rudder_deadline *d, void *context, const void *func, void *args, size_t n, void **trap,
+                          uint64_t ticks, int64_t cpu_budget_ns, int64_t wall_budget_ns) {
+    rudder_deadline_arm(d, cpu_budget_ns, wall_budget_ns);
+    d->set_deadline(context, ticks);
+    return d->call(context, func, args, n, trap);
 }
 
 void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8_t *kind) {
