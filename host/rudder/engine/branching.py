@@ -33,6 +33,12 @@ class InvalidBranch(ValueError):
     """A Branch the sequence cannot take (too long a backtrack, an empty fast-forward...)."""
 
 
+class BranchLimit(InvalidBranch):
+    """Branches that would take the request past a limit (max_forks): kind `limit`."""
+
+    kind = "limit"
+
+
 @dataclass
 class Sample:
     """A row to sample this step: which sequence, which logits row, under which Branch (None:
@@ -106,7 +112,7 @@ class Steering:
                 deltas.append(self.finish(seq, "stop"))
                 return []
             if req.live + len(answer) - 1 > self.max_forks:
-                raise InvalidBranch(f"{len(answer)} branches would exceed {self.max_forks} live sequences")
+                raise BranchLimit(f"{len(answer)} branches would exceed {self.max_forks} live sequences")
             forks = [seq] + [self.fork(seq, deltas) for _ in answer[1:]]
             samples = []
             for k, (s, branch) in enumerate(zip(forks, answer)):
