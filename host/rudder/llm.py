@@ -106,7 +106,7 @@ class LLM:
             raise ValueError(f"{', '.join(names)}: not available with pipeline stages (the last stage samples)")
         return params
 
-    def _steering(self, params: SamplingParams | None, controller, controller_arg):
+    def steer(self, params: SamplingParams | None, controller, controller_arg):
         """(params for the engine, controller, argument): a structured-output field of `params`
         becomes its built-in controller."""
         params = params or SamplingParams()
@@ -146,7 +146,7 @@ class LLM:
             raise ValueError("prompts and params must have the same length")
         if controllers is not None and controller is not None:
             raise ValueError("pass either controller or controllers, not both")
-        steered = [self._steering(p, controller, controller_arg) for p in params_list]
+        steered = [self.steer(p, controller, controller_arg) for p in params_list]
         if controllers is not None:
             if any(c is not None for _, c, _ in steered):
                 raise ValueError("structured output in params and controllers: give one of them")
@@ -194,7 +194,7 @@ class LLM:
         """Yield text deltas as they are decoded (`delta.branch` tells forks apart). Closing the
         iterator cancels the request. `controller`: a ready controller, a built-in name, a .wasm
         path or wasm bytes (with `controller_arg`); or structured output in `params`."""
-        params, controller, controller_arg = self._steering(params, controller, controller_arg)
+        params, controller, controller_arg = self.steer(params, controller, controller_arg)
         if controller is not None and not hasattr(controller, "mid_process"):
             controller = self.start_controller(controller, controller_arg, controller_limits)
         req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller)
