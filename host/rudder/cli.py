@@ -274,13 +274,30 @@ def run(prompt: str = PROMPT,
 def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on (0: any free one)."),
           model: str = MODEL,
-          restricted: bool = typer.Option(False, "--restricted", help="No uploads or new tags: built-in controllers only."),
+          served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                          help="The model name clients send (default: --model)."),
+          restricted: bool = typer.Option(False, "--restricted", help="No uploads or tag changes: what is registered only."),
           max_concurrent: int = typer.Option(16, "--max-concurrent", min=1, help="Requests in the engine at once."),
           max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a place; past that: 429."),
           max_tokens: int = typer.Option(1024, "--max-tokens", min=1, help="The most tokens a request may ask for."),
           max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", min=0.001, help="Largest .wasm upload, in MiB."),
           limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit for every request, "
                                           "e.g. --limit mid_process_ms=10 (as for `run`); repeatable."),
+          api_key: list[str] = typer.Option([], "--api-key", help="Require this key (Authorization: Bearer KEY) on "
+                                            "every /v1 route; repeatable; also RUDDER_API_KEY. Such keys are admins "
+                                            "of tenant 'default'."),
+          api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file",
+                                                       help="Keys with roles and tenants: one 'KEY ROLE TENANT' per "
+                                                            "line (ROLE: admin or user)."),
+          public_metrics: bool = typer.Option(False, "--public-metrics", help="/metrics without a key, even with keys."),
+          state_dir: Optional[Path] = typer.Option(None, "--state-dir",
+                                                   help="The durable registry (modules, tags); replicas on one host "
+                                                        "may share it. Default: $RUDDER_HOME/server."),
+          tenant_max_concurrent: Optional[int] = typer.Option(None, "--tenant-max-concurrent", min=1,
+                                                              help="One tenant's requests, running and queued; past "
+                                                                   "that its requests get 429."),
+          tenant_max_modules: Optional[int] = typer.Option(None, "--tenant-max-modules", min=0,
+                                                           help="Modules one tenant may upload."),
           kv_cache_tokens: int = typer.Option(DEFAULTS.kv_cache_tokens, "--kv-cache-tokens", min=16,
                                               help="KV cache size in tokens."),
           max_batch_tokens: int = typer.Option(DEFAULTS.max_batch_tokens, "--max-batch-tokens", min=1,
@@ -292,23 +309,37 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
               help="Steps in flight at once over the pipeline, each over its own share of the running "
                    "requests (default: one per stage).")) -> None:
     """Serve the model over HTTP: /v1/run (SSE), a controller registry, OpenAI-compatible completions."""
+    import logging
+    import os
+
     import uvicorn
 
     from .llm import LLM
     from .server import ServerConfig, create_app
+    from .server.auth import KeyRing
 
+    handler = logging.StreamHandler()  # one line per finished request, start-up notes, warnings
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logging.getLogger("rudder").addHandler(handler)
+    logging.getLogger("rudder").setLevel(logging.INFO)
     try:
-        config = ServerConfig(model=model, restricted=restricted, max_concurrent=max_concurrent, max_queue=max_queue,
+        keys = KeyRing.from_sources([*api_key, *([os.environ["RUDDER_API_KEY"]] if os.environ.get("RUDDER_API_KEY")
+                                                 else [])], api_keys_file)
+        config = ServerConfig(model=model, served_model_name=served_model_name, restricted=restricted,
+                              max_concurrent=max_concurrent, max_queue=max_queue,
                               max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
                               max_upload_bytes=int(max_upload_mb * (1 << 20)),
-                              controller_limits=_read_limits(list(limit)) or {},
+                              controller_limits=_read_limits(list(limit)) or {}, api_keys=keys,
+                              public_metrics=public_metrics, state_dir=state_dir,
+                              tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
                               engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
-                                              "max_seqs": max_seqs, "device": device,
+                                              "max_seqs": max_seqs, "device": _device(device),
                                               "pipeline_stages": _stages(pipeline_stages),
                                               "micro_batches": pipeline_micro_batches})
         from .controller import Limits
 
         Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
+        config.state_path.mkdir(parents=True, exist_ok=True)  # an unusable --state-dir fails here too
         # The model (and its pipeline stages) is up before the port is bound: a bad model or layout
         # is a one-line error, and under torchrun the ranks > 0 serve their stage here and exit.
         llm = LLM(model, controller_limits=config.controller_limits or None, **config.engine_options)
