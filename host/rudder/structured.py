@@ -129,7 +129,7 @@ def grammar(text: Any, *, source: str = "grammar") -> Constraint:
         try:
             text = to_lark(text)
         except GBNFError as e:
-            raise ConstraintError(f"{source}: {e}", source) from None
+            raise ConstraintError(f"{source}: GBNF grammar: {e}", source) from None
     return Constraint("grammar", text, source)
 
 
