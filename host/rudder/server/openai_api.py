@@ -76,8 +76,8 @@ async def _chat(svc: Service, body: ChatRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = svc.sampling(body, body.max_completion_tokens or body.max_tokens, len(ids), logprobs=logprobs,
-                          chat=True)
+    params = svc.sampling(body, body.max_completion_tokens or body.max_tokens, len(ids), "messages",
+                          logprobs=logprobs)
     shape = _Shape(True, body.n, plan if plan is not None and plan.mode else None, logprobs, _raw(body, plan))
     jobs = await svc.start_all([(ids, params)], steer, _who(request))
     return await _respond(svc, jobs, body, shape, "chatcmpl")
@@ -96,7 +96,7 @@ async def _completions(svc: Service, body: CompletionRequest, request: Request):
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         ids = svc.encode(p, param)
-        specs.append((ids, svc.sampling(body, body.max_tokens, len(ids), logprobs=body.logprobs)))
+        specs.append((ids, svc.sampling(body, body.max_tokens, len(ids), param, logprobs=body.logprobs)))
         echo.append((p if isinstance(p, str) else svc.tokenizer.decode(ids)) if body.echo else "")
     shape = _Shape(False, body.n, None, body.logprobs, _raw(body, None), echo if body.echo else None)
     jobs = await svc.start_all(specs, steer, _who(request))
@@ -150,7 +150,7 @@ class _Choice:
         return piece
 
 
-def _tokens_text(svc: Service, token: int) -> tuple[str, list[int]]:
+def _token_text(svc: Service, token: int) -> tuple[str, list[int]]:
     raw = svc.tokenizer.token_bytes[token]
     return raw.decode("utf-8", "replace"), list(raw)
 
@@ -158,14 +158,14 @@ def _tokens_text(svc: Service, token: int) -> tuple[str, list[int]]:
 def _chat_logprobs(svc: Service, piece: Piece, top_n: int) -> dict:
     content = []
     for token, lp in zip(piece.token_ids, piece.logprobs):
-        text, raw = _tokens_text(svc, token)
+        text, raw = _token_text(svc, token)
         if lp is None:  # forced by the controller: it had no alternative
             top = [{"token": text, "logprob": 0.0, "bytes": raw}] if top_n else []
             content.append({"token": text, "logprob": 0.0, "bytes": raw, "top_logprobs": top})
             continue
         top = []
         for tid, value in lp["top"][:top_n]:
-            t_text, t_raw = _tokens_text(svc, tid)
+            t_text, t_raw = _token_text(svc, tid)
             top.append({"token": t_text, "logprob": value, "bytes": t_raw})
         content.append({"token": text, "logprob": lp["logprob"], "bytes": raw, "top_logprobs": top})
     return {"content": content, "refusal": None}
@@ -174,7 +174,7 @@ def _chat_logprobs(svc: Service, piece: Piece, top_n: int) -> dict:
 def _completion_logprobs(svc: Service, piece: Piece, top_n: int, offset: int) -> dict:
     tokens, values, tops, offsets = [], [], [], []
     for token, lp in zip(piece.token_ids, piece.logprobs):
-        text, _ = _tokens_text(svc, token)
+        text, _ = _token_text(svc, token)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
@@ -183,7 +183,7 @@ def _completion_logprobs(svc: Service, piece: Piece, top_n: int, offset: int) ->
             tops.append({text: 0.0} if top_n else {})
         else:
             values.append(lp["logprob"])
-            tops.append({_tokens_text(svc, tid)[0]: v for tid, v in lp["top"][:top_n]})
+            tops.append({_token_text(svc, tid)[0]: v for tid, v in lp["top"][:top_n]})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -87,14 +88,13 @@ class Service:
             raise APIError("invalid_request", f"messages: the chat template refused them ({e})",
                            param="messages") from None
 
-    def sampling(self, body, max_tokens: int | None, prompt_tokens: int, **extra) -> SamplingParams:
+    def sampling(self, body, max_tokens: int | None, prompt_tokens: int, prompt_param: str = "prompt",
+                 **extra) -> SamplingParams:
         """SamplingParams for a request, checked against this server and the model's context."""
         room = self.context - prompt_tokens
         if room < 1:
             raise APIError("invalid_request", f"the prompt has {prompt_tokens} tokens; the model's context is "
-                           f"{self.context}", param="messages" if extra.pop("chat", False) else "prompt",
-                           code="context_length_exceeded")
-        extra.pop("chat", None)
+                           f"{self.context}", param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, room)
         elif max_tokens > self.config.max_tokens:
@@ -149,26 +149,28 @@ class Service:
         loop) and hand the job to the engine thread. The job's `window` is how many tokens its
         controller may take back (None: unknown)."""
         arrived = arrived if arrived is not None else time.perf_counter()
-        resolved = None
-        if steer is not None:
-            resolved = self.registry.resolve_builtin(steer.controller)
-            if resolved is None:
-                resolved = await asyncio.to_thread(self.registry.resolve, steer.controller)
-        await self.admission.acquire(who.tenant)
+        label = steer.controller if steer is not None else ""
+        acquired = False
         try:
-            ctl = None
-            if resolved is not None:
-                ctl = await self._start_controller(resolved, steer)
+            resolved = None
+            if steer is not None:
+                resolved = self.registry.resolve_builtin(steer.controller)
+                if resolved is None:  # a tag or module id: the store, maybe a first load
+                    resolved = await asyncio.to_thread(self.registry.resolve, steer.controller)
+            await self.admission.acquire(who.tenant)
+            acquired = True
+            ctl = await self._start_controller(resolved, steer) if resolved is not None else None
             job = Job(asyncio.get_running_loop(), prompt_ids, params, ctl, queue=queue, index=index,
-                      arrived=arrived, tenant=who.tenant, label=steer.controller if steer else "",
+                      arrived=arrived, tenant=who.tenant, label=label,
                       module_id=resolved.module_id if resolved else None)
             job.window = 0 if steer is None else (steer.max_backtrack if steer.max_backtrack is not None
                                                   else resolved.backtrack_for(steer.arg))
         except BaseException as e:
-            self.admission.release(who.tenant)
-            if isinstance(e, APIError):
-                self._log_line("-", "refused", who.tenant, steer.controller if steer else "", 0, 0,
-                               e.extra.get("kind") or e.type, time.perf_counter() - arrived)
+            if acquired:
+                self.admission.release(who.tenant)
+            if isinstance(e, APIError):  # refused before reaching the engine: logged all the same
+                self._log_line("-", "refused", who.tenant, label, len(prompt_ids), 0,
+                               e.extra.get("kind") or e.code or e.type, time.perf_counter() - arrived)
             raise
         if job.module_id is not None:
             self.registry.in_use[job.module_id] += 1
@@ -262,10 +264,13 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
 def _param_of(message: str) -> str | None:
-    """The request field a SamplingParams message names first (its messages start with it)."""
+    """The request field a SamplingParams message begins with, if it begins with one."""
     word = message.split()[0].rstrip(":,") if message else ""
-    return word if word.replace("_", "").isalpha() else None
+    return word if word in _FIELDS else None
 
 
 def sse(data: dict | str) -> str:
