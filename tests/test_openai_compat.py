@@ -532,6 +532,7 @@ def test_aici_protocol(server):
         listed = r.json()["tags"]
         assert [t["tag"] for t in listed] == ["aici-a", "aici-b"]
         assert all({"updated_at", "updated_by", "wasm_size", "compiled_size", "module_id"} <= set(t) for t in listed)
+        assert all(isinstance(t["updated_at"], (int, float)) and t["compiled_size"] > 0 for t in listed)
         lines = [ln for ln in c.post("/v1/run", json={"controller": "choices", "controller_arg": ["yes", "no"],
                                                       "max_tokens": 10, "temperature": 0}).text.splitlines() if ln]
     # what AICI's client reads: "data: {" objects (initial-run, then runs with forks) and "data: [DONE]"

@@ -83,7 +83,7 @@ class Registry:
                 and who.tenant not in self._uploaders(sha):
             raise APIError("forbidden", f"tenant {who.tenant!r} has uploaded its {self.tenant_max_modules} "
                            "modules (ask an admin to remove unused ones)", code="module_quota")
-        self.store.put_module(sha, wasm, who.tenant)
+        self.store.put_module(sha, wasm, who.tenant, module.compiled_size)
         self._keep(sha, module)
         return {"module_id": sha, "wasm_size": module.wasm_size, "compiled_size": module.compiled_size,
                 "time_ms": round((time.perf_counter() - t0) * 1000, 3),
@@ -163,7 +163,8 @@ class Registry:
                            param="tag", code="builtin_tag")
         if module_id in self._builtin_bytes and not self.store.has_module(module_id):
             # a built-in's module under a new name: stored, so the tag outlives this version's build
-            self.store.put_module(module_id, self._builtin_bytes[module_id], who.tenant)
+            builtin = next(m for m in self.builtin.values() if m.sha256 == module_id)
+            self.store.put_module(module_id, self._builtin_bytes[module_id], who.tenant, builtin.compiled_size)
         try:
             info = self.store.set_tag(tag, module_id, who.tenant, max_backtrack,
                                       only_if_owner=None if who.admin else who.tenant)
@@ -185,13 +186,14 @@ class Registry:
         if not found:
             raise APIError("not_found", f"no tag {tag!r}", param="tag")
 
-    def _sizes(self) -> dict[str, int]:
-        return {m["module_id"]: m["wasm_size"] for m in self.store.modules()}
+    def _sizes(self) -> dict[str, tuple[int, int]]:
+        return {m["module_id"]: (m["wasm_size"], m["compiled_size"]) for m in self.store.modules()}
 
     @staticmethod
     def _tag_view(t: dict, sizes: dict) -> dict:
+        wasm_size, compiled_size = sizes.get(t["module_id"], (None, None))
         return {"tag": t["tag"], "module_id": t["module_id"], "owner": t["owner"], "builtin": False,
-                "max_backtrack": t["max_backtrack"], "wasm_size": sizes.get(t["module_id"]), "compiled_size": None,
+                "max_backtrack": t["max_backtrack"], "wasm_size": wasm_size, "compiled_size": compiled_size,
                 "created_at": t["created_at"], "updated_at": t["updated_at"], "updated_by": t["updated_by"]}
 
     def tags(self) -> list[dict]:
@@ -211,7 +213,8 @@ class Registry:
                 "builtin": True, "uploaded_by": [], "tags": sorted(names.get(m.sha256, []))}
                for m in self.builtin.values()]
         for m in self.store.modules():
-            out.append({"module_id": m["module_id"], "wasm_size": m["wasm_size"], "builtin": False,
+            out.append({"module_id": m["module_id"], "wasm_size": m["wasm_size"], "compiled_size": m["compiled_size"],
+                        "builtin": False,
                         "uploaded_by": m["uploaded_by"], "created_at": m["created_at"],
                         "tags": sorted(names.get(m["module_id"], []))})
         return out

@@ -36,7 +36,7 @@ class TagOwned(Exception):
 
 
 class RegistryStore(Protocol):
-    def put_module(self, module_id: str, wasm: bytes, tenant: str) -> bool:
+    def put_module(self, module_id: str, wasm: bytes, tenant: str, compiled_size: int = 0) -> bool:
         """Keep the module's bytes (durably, before returning) and record that `tenant` uploaded
         it; True when this tenant had not uploaded it before."""
 
@@ -44,7 +44,7 @@ class RegistryStore(Protocol):
         """The bytes of a stored module (checked against its sha256), or None."""
 
     def modules(self) -> list[dict]:
-        """Every stored module: module_id, wasm_size, created_at, uploaded_by (tenants)."""
+        """Every stored module: module_id, wasm_size, compiled_size, created_at, uploaded_by (tenants)."""
 
     def has_module(self, module_id: str) -> bool: ...
 
@@ -74,7 +74,8 @@ class RegistryStore(Protocol):
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS modules (
-    module_id TEXT PRIMARY KEY, wasm_size INTEGER NOT NULL, created_at REAL NOT NULL);
+    module_id TEXT PRIMARY KEY, wasm_size INTEGER NOT NULL, compiled_size INTEGER NOT NULL,
+    created_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS uploads (
     module_id TEXT NOT NULL REFERENCES modules(module_id) ON DELETE CASCADE, tenant TEXT NOT NULL,
     uploaded_at REAL NOT NULL, PRIMARY KEY (module_id, tenant));
@@ -144,7 +145,7 @@ class LocalStore:
 
     # -- modules --------------------------------------------------------------------------------
 
-    def put_module(self, module_id: str, wasm: bytes, tenant: str) -> bool:
+    def put_module(self, module_id: str, wasm: bytes, tenant: str, compiled_size: int = 0) -> bool:
         if hashlib.sha256(wasm).hexdigest() != module_id:
             raise ValueError("module_id is not the sha256 of the bytes")
         final = self._path(module_id)
@@ -163,7 +164,7 @@ class LocalStore:
             _fsync_dir(self.module_dir)  # the rename itself is durable
         now = time.time()
         with self._db() as db:
-            db.execute("INSERT OR IGNORE INTO modules VALUES (?, ?, ?)", (module_id, len(wasm), now))
+            db.execute("INSERT OR IGNORE INTO modules VALUES (?, ?, ?, ?)", (module_id, len(wasm), compiled_size, now))
             new = db.execute("INSERT OR IGNORE INTO uploads VALUES (?, ?, ?)", (module_id, tenant, now)).rowcount
         return bool(new)
 
@@ -189,9 +190,11 @@ class LocalStore:
 
     def modules(self) -> list[dict]:
         rows = self._conn().execute(
-            "SELECT m.module_id, m.wasm_size, m.created_at, group_concat(u.tenant) AS tenants FROM modules m "
+            "SELECT m.module_id, m.wasm_size, m.compiled_size, m.created_at, group_concat(u.tenant) AS tenants "
+            "FROM modules m "
             "LEFT JOIN uploads u USING (module_id) GROUP BY m.module_id ORDER BY m.created_at").fetchall()
-        return [{"module_id": r["module_id"], "wasm_size": r["wasm_size"], "created_at": r["created_at"],
+        return [{"module_id": r["module_id"], "wasm_size": r["wasm_size"], "compiled_size": r["compiled_size"],
+                 "created_at": r["created_at"],
                  "uploaded_by": sorted((r["tenants"] or "").split(",")) if r["tenants"] else []} for r in rows]
 
     def uploads(self, tenant: str) -> int:
