@@ -12,7 +12,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
@@ -27,7 +27,7 @@ from .errors import APIError
 from .metrics import Metrics
 from .registry import Registry
 from .schemas import RunRequest, TagRequest
-from .service import ClientGone, Service, sse
+from .service import ClientGone, Service, event_stream, sse
 from .store import LocalStore
 
 log = logging.getLogger("rudder.server")
@@ -282,8 +282,7 @@ async def _run(svc: Service, body: RunRequest, request: Request):
         raise APIError("invalid_request", "AICI runs are streamed (aici needs stream: true)", param="stream")
     jobs = await svc.start_all([(ids, params)], steer, principal(request))
     if aici:
-        return StreamingResponse(_aici_stream(svc, jobs[0]), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return event_stream(svc, jobs, _aici_stream(svc, jobs[0]))
     if not body.stream:
         async with contextlib.aclosing(svc.events(jobs)) as events:
             async for job, kind, *payload in events:
@@ -294,8 +293,7 @@ async def _run(svc: Service, body: RunRequest, request: Request):
             raise result.error
         return {"choices": _choices(result), "usage": result.usage_dict(), "timings": result.timings_dict(),
                 "log": result.log}
-    return StreamingResponse(_run_stream(svc, jobs), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return event_stream(svc, jobs, _run_stream(svc, jobs))
 
 
 def _choices(result) -> list[dict]:

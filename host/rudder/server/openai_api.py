@@ -23,14 +23,13 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from ..engine.output import BacktrackTooFar, HeldStream, Piece
 from .auth import ANONYMOUS
 from .dialects import steer_of
 from .errors import APIError, unsupported
 from .schemas import ChatRequest, CompletionRequest
-from .service import Service, sse
+from .service import Service, event_stream, sse
 from .tools import ToolCallParser, ToolPlan, render_messages
 
 
@@ -119,9 +118,7 @@ async def _respond(svc: Service, jobs, body, shape: _Shape, prefix: str):
     head = {"id": body.request_id or f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": body.model or svc.config.served_name}
     if body.stream:
-        opts = body.stream_options
-        return StreamingResponse(_stream(svc, jobs, shape, head, opts), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return event_stream(svc, jobs, _stream(svc, jobs, shape, head, body.stream_options))
     return await _whole(svc, jobs, shape, head)
 
 

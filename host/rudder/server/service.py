@@ -13,7 +13,9 @@ import logging
 import time
 from typing import AsyncIterator
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request as HTTPRequest
+from starlette.responses import StreamingResponse
 
 from ..controller import ControllerError
 from ..engine import SamplingParams
@@ -271,6 +273,14 @@ def _param_of(message: str) -> str | None:
     """The request field a SamplingParams message begins with, if it begins with one."""
     word = message.split()[0].rstrip(":,") if message else ""
     return word if word in _FIELDS else None
+
+
+def event_stream(svc: "Service", jobs: list, body) -> StreamingResponse:
+    """An SSE response over `body` (an async generator reading the jobs' events). The jobs are
+    also ended once the response is over, in case the generator never started (a client that
+    left before the first byte): a place in the queue is never leaked."""
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(svc.end, jobs))
 
 
 def sse(data: dict | str) -> str:
