@@ -131,12 +131,12 @@ class BacktrackTooFar(Exception):
 class HeldStream:
     """One sequence's stream for a client that cannot take text back (an OpenAI client).
 
-    A controller declares how many tokens it may take back in one backtrack (`window`); the
-    deltas of the last `window` tokens are held, and a delta is released once at least `window`
-    tokens follow it, so no backtrack within the declaration can reach released text. `window`
-    0 releases at once (the built-in constraint controllers never backtrack); None holds
-    everything until the sequence ends (a controller that declared nothing). A backtrack past the
-    held part raises BacktrackTooFar."""
+    A controller declares a backtrack depth N (`window`): once N tokens follow a token, it never
+    takes that token back. So a delta is held until at least N tokens follow it, then released:
+    nothing released can be taken back by a controller that keeps its word. `window` 0 releases
+    at once (the built-in constraint controllers never backtrack); None holds everything until
+    the sequence ends (a controller that declared nothing). A backtrack that reaches released
+    text raises BacktrackTooFar."""
 
     def __init__(self, window: int | None):
         self.window = window

@@ -29,7 +29,7 @@ from .tools import ToolPlan
 @dataclass
 class Steer:
     """A request's controller: a name (tag, module id or built-in), its argument, the limits it
-    asks for, how far it declared it may backtrack (None: ask the registry), the request field
+    asks for, its declared backtrack depth (None: ask the registry), the request field
     it came from and a hint added to a refusal."""
 
     controller: str

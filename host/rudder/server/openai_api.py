@@ -3,12 +3,12 @@
 Which controller a request gets: dialects.py (every structured-output dialect) and tools.py
 (tool calls). What a client sees:
 
-- **Streams never show text that is taken back.** A controller declares how many tokens it may
-  take back (`max_backtrack`: 0 for the built-in constraint controllers, the word's length for
-  `backtrack`, a tag's declaration, or the request's `rudder.max_backtrack`); the stream holds
-  that many tokens' text until nothing can take it back (engine/output.py, HeldStream). A
-  controller that declared nothing is held until it ends. Taking back more than declared ends the
-  request with an error. `rudder.stream_backtrack: true` streams the raw deltas instead, with
+- **Streams never show text that is taken back.** A controller declares a backtrack depth N
+  (`max_backtrack`: once N tokens follow a token, it never takes it back; 0 for the built-in
+  constraint controllers, twice the word's length for `backtrack`, a tag's declaration, or the
+  request's `rudder.max_backtrack`); the stream holds each piece of text until N tokens follow it
+  (engine/output.py, HeldStream). A controller that declared nothing is held until it ends.
+  Taking back released text ends the request with an error. `rudder.stream_backtrack: true` streams the raw deltas instead, with
   `rudder_backtrack` (characters to delete first) on the choice.
 - **Logprobs** (chat `logprobs`/`top_logprobs`, completions `logprobs`) are those of the
   distribution the token was drawn from (after logit_bias, penalties and the controller's mask,

@@ -7,8 +7,8 @@ other's. A module is loaded (validated, compiled or read from the compiled cache
 in this process and kept in a small LRU: modules on disk are not modules in memory.
 
 The built-in controllers are tagged by name at start-up, in memory only (they are built from
-this version's sources); their names cannot be taken. Each built-in declares how far it can
-backtrack (`max_backtrack`, the streaming hold-back of openai_api.py; None = unknown).
+this version's sources); their names cannot be taken. Each built-in declares its backtrack depth
+(`max_backtrack`, the streaming hold-back of openai_api.py; None = unknown).
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ from .store import RegistryStore, TagOwned
 log = logging.getLogger("rudder.server")
 MODULE_ID = re.compile(r"^[0-9a-f]{64}$")
 
-# How many tokens each built-in can take back in one step: the constraint controllers and the
-# others never backtrack on their own; `backtrack` removes its banned word, at most one token
-# per byte of it (its argument, default " very").
-BUILTIN_BACKTRACK = {"backtrack": lambda arg: len((arg or " very").encode("utf-8"))}
+# Each built-in's backtrack depth N (once N tokens follow a token, it never takes that token
+# back): the constraint controllers and the others never backtrack on their own; `backtrack`
+# removes the tokens of its banned word (its argument, default " very"), at most one per byte,
+# and a new occurrence may begin in the bytes just before its previous cut: twice the length.
+BUILTIN_BACKTRACK = {"backtrack": lambda arg: 2 * len((arg or " very").encode("utf-8"))}
 
 
 @dataclass
 class Resolved:
     """What a request's `controller` names: the loaded module, its id, the tag it came by (if
-    any) and how far it declares it can backtrack (None: unknown)."""
+    any) and its declared backtrack depth (None: unknown)."""
 
     module: ControllerModule
     module_id: str

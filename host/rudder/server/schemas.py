@@ -81,8 +81,9 @@ class RunRequest(Sampling):
 
 class RudderExtension(_Body):
     """The `rudder` field of an OpenAI request: steer it with any controller, or a shorthand for
-    a built-in one; `max_backtrack` declares how far the controller may take text back (the
-    stream holds that much), `stream_backtrack` streams raw deltas with `rudder_backtrack`."""
+    a built-in one; `max_backtrack` declares the controller's backtrack depth (once that many
+    tokens follow a token it never takes it back: the stream holds that much), `stream_backtrack`
+    streams raw deltas with `rudder_backtrack`."""
 
     controller: Optional[str] = None
     controller_arg: Any = ""

@@ -437,7 +437,7 @@ class ToolCallParser:
 
     def _on_header(self, events):
         m = _HEADER.match(self.buf, self.pos)
-        if m is None:
+        if m is None or m.end() == len(self.buf):  # wait for the arguments to begin
             return
         try:
             name = json.loads(f'"{m.group(1)}"')
