@@ -130,3 +130,14 @@ def test_the_engine_hands_penalized_rows_their_tokens(monkeypatch):
         (ids, n_prompt), = history
         assert n_prompt == len(prompt_ids) and ids[:n_prompt] == prompt_ids and len(ids) == n_prompt + k
     assert len(set(rep.token_ids)) > len(set(plain.token_ids))  # repeats are pushed down
+
+
+def test_a_pipeline_refuses_what_its_last_stage_cannot_apply():
+    """A pipeline's last stage samples from a spec without penalties or bias: refused by name."""
+    from rudder import LLM
+
+    llm = LLM("tiny")
+    llm.pipeline = True  # what LLM(pipeline_stages=N) sets; the check is all that differs here
+    with pytest.raises(ValueError, match="presence_penalty, logit_bias: not available with pipeline stages"):
+        llm.generate(["x"], SamplingParams(presence_penalty=1.0, logit_bias={3: 1.0}, max_tokens=2))
+    assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
