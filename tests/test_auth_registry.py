@@ -220,7 +220,7 @@ def test_sigkill_during_uploads_never_loses_or_invents_a_module(tmp_path):
         server.start()
         stop = threading.Event()
 
-        def upload_loop():
+        def upload_loop(stop=stop):
             with httpx.Client(base_url=server.url, timeout=10) as c:
                 while not stop.is_set():
                     i = next(counter)

@@ -23,7 +23,7 @@ from openai import OpenAI
 from rudder import LLM, SamplingParams
 from rudder.server import ServerConfig
 from rudder.server.schemas import UNSUPPORTED
-from serve_util import LiveServer, build_rewind, sse_events
+from serve_util import LiveServer, build_rewind
 
 
 def tok(ch: str) -> str:

@@ -72,7 +72,7 @@ def _device(device: str) -> str:
 
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError):
         raise ValueError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available to this torch ({torch.__version__})")

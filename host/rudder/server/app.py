@@ -285,7 +285,7 @@ async def _run(svc: Service, body: RunRequest, request: Request):
         return event_stream(svc, jobs, _aici_stream(svc, jobs[0]))
     if not body.stream:
         async with contextlib.aclosing(svc.events(jobs)) as events:
-            async for job, kind, *payload in events:
+            async for _, kind, *payload in events:
                 if kind == "error":
                     raise payload[0]
         result = jobs[0].result
@@ -314,7 +314,7 @@ async def _run_stream(svc: Service, jobs):
     """/v1/run's events: one per engine step ("step": each fork's delta, new log text), then
     "done" with every branch's final text, usage and timings (and the error, if it failed)."""
     async with contextlib.aclosing(svc.events(jobs)) as events:
-        async for job, kind, *payload in events:
+        async for _, kind, *payload in events:
             if kind == "step":
                 deltas, log_text = payload
                 event = {"type": "step", "deltas": [_delta(d) for d in deltas]}
