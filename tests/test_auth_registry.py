@@ -285,3 +285,4 @@ def test_replicas_share_uploads_and_tags(tmp_path):
             assert c.delete(a.url + "/v1/controllers/tags/shared").status_code == 200
             gone = c.post(b.url + "/v1/run", json={**run, "controller": "shared"})
             assert gone.status_code == 404 and gone.json()["error"]["code"] == "controller_not_found"
+    assert a.output().count("no API keys") == 1  # said once, at start-up

@@ -98,3 +98,26 @@ def test_chat_and_stream_take_structured_params(llm):
     assert text == "zzzzz"
     with pytest.raises(ValueError, match="messages"):
         llm.chat("just a string")
+
+
+def test_cli_structured_flags_version_and_a_bad_device(tmp_path):
+    from typer.testing import CliRunner
+
+    from rudder import __version__
+    from rudder.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--version"]).output.strip() == f"rudder {__version__}"
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    out = runner.invoke(app, ["generate", "-m", "tiny", "--json-schema", f"@{schema}", "--seed", "1", "x"])
+    assert out.exit_code == 0, out.output
+    jsonschema.validate(json.loads(out.stdout.strip()), SCHEMA)
+    out = runner.invoke(app, ["generate", "-m", "tiny", "--choice", "up", "--choice", "down", "x"])
+    assert out.exit_code == 0 and out.stdout.strip() in ("up", "down")
+    for args, words in [(["--device", "nowhere"], "not a torch device"), (["--device", "cuda:7"], "--device cuda:7"),
+                        (["--regex", "a", "--choice", "b"], "give one of"), (["--json-schema", "@missing.json"],
+                                                                           "no such file")]:
+        out = runner.invoke(app, ["generate", "-m", "tiny", *args, "x"])
+        assert out.exit_code == 1 and words in out.output and "Traceback" not in out.output, (args, out.output)
+        assert len(out.output.strip().splitlines()) == 1
