@@ -326,8 +326,13 @@ class Engine:
 
     def _sample(self, handle, samples: list[Sample], deltas: list[Delta]) -> None:
         masks = [s.branch.mask if s.branch is not None else None for s in samples]
-        out = self.runner.sample(handle, [s.row for s in samples], [s.seq.params for s in samples],
-                                 [s.seq.rng for s in samples], masks)
+        params = [s.seq.params for s in samples]
+        # Penalties need each row's tokens; only a runner that samples in this process gets them
+        # (LLM refuses penalties on a pipeline).
+        extra = {"history": [(s.seq.token_ids, s.seq.num_prompt) if s.seq.params.penalized else None
+                             for s in samples]} if any(p.penalized for p in params) else {}
+        out = self.runner.sample(handle, [s.row for s in samples], params, [s.seq.rng for s in samples], masks,
+                                 **extra)
         for s, token, logprob in zip(samples, out.tokens, out.logprobs):
             self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
 
