@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from .controller.runtime import DEFAULT_GUEST_MEMORY, DEFAULT_SNAPSHOT_BYTES
 from .engine.config import EngineConfig
 
 DEFAULTS = EngineConfig()
@@ -300,6 +301,12 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                                                            help="Modules one tenant may upload."),
           max_modules: int = typer.Option(256, "--max-modules", min=1,
                                           help="Uploaded modules the registry keeps, all tenants together."),
+          guest_memory_mb: int = typer.Option(DEFAULT_GUEST_MEMORY >> 20, "--guest-memory-mb", min=1,
+                                              help="Linear memory of all live controller instances together; a "
+                                                   "request that does not fit gets 429."),
+          snapshot_memory_mb: int = typer.Option(DEFAULT_SNAPSHOT_BYTES >> 20, "--snapshot-memory-mb", min=1,
+                                                 help="Post-init snapshots kept for loaded modules (least recently "
+                                                      "used dropped, re-made on use)."),
           kv_cache_tokens: int = typer.Option(DEFAULTS.kv_cache_tokens, "--kv-cache-tokens", min=16,
                                               help="KV cache size in tokens."),
           max_batch_tokens: int = typer.Option(DEFAULTS.max_batch_tokens, "--max-batch-tokens", min=1,
@@ -338,7 +345,9 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
                                               "max_seqs": max_seqs, "device": _device(device),
                                               "pipeline_stages": _stages(pipeline_stages),
-                                              "micro_batches": pipeline_micro_batches})
+                                              "micro_batches": pipeline_micro_batches,
+                                              "guest_memory_bytes": guest_memory_mb << 20,
+                                              "snapshot_bytes": snapshot_memory_mb << 20})
         from .controller import Limits
 
         Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line

@@ -26,7 +26,8 @@ __all__ = ["LLM"]
 class LLM:
     def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", controller_limits=None,
                  pipeline_stages: int | list[int] | None = None, pipeline_threads: int | None = None,
-                 pipeline_timeout: float = 60.0, config: EngineConfig | None = None, **engine_options):
+                 pipeline_timeout: float = 60.0, config: EngineConfig | None = None,
+                 guest_memory_bytes: int | None = None, snapshot_bytes: int | None = None, **engine_options):
         """`model`: "smollm2", "tiny" (random weights), a .gguf file or a Hugging Face-style folder.
         `config` (or its fields as keyword arguments: kv_cache_tokens, max_batch_tokens, max_seqs,
         micro_batches...) sizes the engine (engine/config.py; the CLI and the server share its
@@ -36,7 +37,11 @@ class LLM:
         layers per stage), driven over torch.distributed (docs/pipeline.md); this process is the
         coordinator and stage 0. `pipeline_threads`: torch threads per stage (default: the CPU
         cores shared out); `pipeline_timeout`: seconds a stage may take before the pipeline is
-        declared dead. A pipeline runs one micro-batch per stage unless `micro_batches` says."""
+        declared dead. A pipeline runs one micro-batch per stage unless `micro_batches` says.
+
+        `controller_limits` lowers the controllers' per-request limits (docs/abi.md);
+        `guest_memory_bytes` and `snapshot_bytes` are the sandbox's memory budgets for all live
+        controller instances and for the post-init snapshots of loaded modules."""
         config = EngineConfig.of(**engine_options) if config is None else config.replace(**engine_options)
         runner = None
         if pipeline_stages is None or pipeline_stages == 1:
@@ -54,6 +59,8 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, config, runner=runner)
         self.pipeline = runner is not None  # the last stage samples: no logit processing there
         self._controller_limits = controller_limits
+        self._runtime_options = {k: v for k, v in (("guest_memory_bytes", guest_memory_bytes),
+                                                   ("snapshot_bytes", snapshot_bytes)) if v is not None}
         self._runtime = None
 
     def close(self) -> None:
@@ -72,7 +79,7 @@ class LLM:
         if self._runtime is None:
             from .controller import ControllerRuntime, Limits
 
-            self._runtime = ControllerRuntime(self.tokenizer, self._controller_limits or Limits())
+            self._runtime = ControllerRuntime(self.tokenizer, self._controller_limits or Limits(), **self._runtime_options)
         return self._runtime
 
     def start_controller(self, controller: "str | Path | bytes", arg: str | bytes = "", limits=None) -> Controller:

@@ -113,7 +113,11 @@ class Controller:
             shared.guest_memory.admit(inst.size, "fork the controller")
             child_inst = Instance(shared, self._cmod, HostState(shared, req), req.limits.memory_bytes,
                                   deadline_ticks(req.limits.init_ms, shared.tick_ms))
-            clone_state(inst, child_inst, shared.eager_bytes)
+            try:
+                clone_state(inst, child_inst, shared.eager_bytes)
+            except BaseException:
+                child_inst.store.close()
+                raise
         except BaseException:
             with req.lock:
                 req.live -= 1

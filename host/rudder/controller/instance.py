@@ -117,7 +117,6 @@ class _Store:
             lib.wasmtime_store_epoch_deadline_callback(ptr, ffi.cast("void *", deadlines.callback),
                                                        ffi.cast("void *", int(deadlines.ffi.cast("uintptr_t", self.deadline))),
                                                        ffi.NULL)
-            state.deadline = self.deadline
         self.meter = meter  # the runtime's GuestMemory: this store's memory counts there
         self.accounted = 0  # ... this many bytes of it
         self.ticker = ticker

@@ -361,13 +361,17 @@ class ControllerRuntime:
         request = RequestContext(bytes(arg), lim)
         ticks = deadline_ticks(lim.init_ms, shared.tick_ms)
         inst = Instance(shared, module, HostState(shared, request), lim.memory_bytes, ticks)
-        restore_snapshot(inst, snap)
-        inst.vals_i32[0] = 0
-        status = inst.call("rudder_start", 1, ticks, lim.init_ms)
-        if status != 0:
-            reason = _last_line(inst.log_tail())
-            raise ControllerError("start", f"the controller rejected the request (rudder_start returned {status})"
-                                  + (f": {reason}" if reason else "; its log is empty"), inst.log_tail())
+        try:
+            restore_snapshot(inst, snap)
+            inst.vals_i32[0] = 0
+            status = inst.call("rudder_start", 1, ticks, lim.init_ms)
+            if status != 0:
+                reason = _last_line(inst.log_tail())
+                raise ControllerError("start", f"the controller rejected the request (rudder_start returned {status})"
+                                      + (f": {reason}" if reason else "; its log is empty"), inst.log_tail())
+        except BaseException:
+            inst.store.close()  # its memory goes now, not when a traceback that holds it is collected
+            raise
         request.live = 1
         return Controller(shared, module, request, inst)
 
@@ -395,21 +399,26 @@ class ControllerRuntime:
         shared.token_table  # built before the deadline starts, not inside an import
         ticks = deadline_ticks(lim.init_ms, shared.tick_ms)
         inst = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
-        inst.vals_i32[0] = 0
-        abi = inst.call("rudder_abi_version", 1, ticks, lim.init_ms)
-        if abi != 1:
-            raise ControllerError("bad_module", f"the controller was built for ABI version {abi}; "
-                                  f"this host implements version 1", inst.log_tail())
-        inst.vals_i32[0] = 0
-        status = inst.call("rudder_init", 1, ticks, lim.init_ms)
-        if status != 0:
-            raise ControllerError("init", f"rudder_init returned {status} (see the controller's log)",
-                                  inst.log_tail())
-        fresh = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
-        snap = take_snapshot(inst, fresh)
-        inst.store.close()  # both go now: their memory leaves the guest memory budget at once
-        fresh.store.close()
-        return snap
+        try:
+            inst.vals_i32[0] = 0
+            abi = inst.call("rudder_abi_version", 1, ticks, lim.init_ms)
+            if abi != 1:
+                raise ControllerError("bad_module", f"the controller was built for ABI version {abi}; "
+                                      f"this host implements version 1", inst.log_tail())
+            inst.vals_i32[0] = 0
+            status = inst.call("rudder_init", 1, ticks, lim.init_ms)
+            if status != 0:
+                raise ControllerError("init", f"rudder_init returned {status} (see the controller's log)",
+                                      inst.log_tail())
+            fresh = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
+            try:
+                return take_snapshot(inst, fresh)
+            finally:
+                fresh.store.close()
+        finally:
+            # Both go now, success or not: their memory leaves the guest memory budget at once
+            # (a traceback that holds them could keep them for as long as it lives).
+            inst.store.close()
 
     # ------------------------------------------------------------------ lifetime
 

@@ -309,12 +309,9 @@ class Engine:
             answer, secs = late.call.result()
             seq.request.usage.controller_s += secs
             samples = [s for s in self.steering.apply_answer(seq, 0, answer, deltas) if not s.seq.finished]
-            if samples:
+            if samples:  # every fork samples from the kept row (row 0 of it)
                 rows = late.logits.index_select(0, torch.zeros(len(samples), dtype=torch.long))
-                out = self.sampler.sample(rows, [s.seq.params for s in samples], [s.seq.rng for s in samples],
-                                          [s.branch.mask if s.branch is not None else None for s in samples])
-                for s, token, logprob in zip(samples, out.tokens, out.logprobs):
-                    self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
+                self._sample(None, samples, deltas, kept=rows)
             self._check_budgets({seq.request}, deltas)
 
     def _check_budgets(self, requests, deltas: list[Delta]) -> None:
@@ -324,15 +321,20 @@ class Engine:
                 if reason is not None:
                     self.steering.fail_request(req, f"controller limit: {reason}", deltas)
 
-    def _sample(self, handle, samples: list[Sample], deltas: list[Delta]) -> None:
+    def _sample(self, handle, samples: list[Sample], deltas: list[Delta], kept: torch.Tensor | None = None) -> None:
+        """Sample every Sample at once through the runner, or here from `kept` logits rows (a late
+        sequence's, one per Sample)."""
         masks = [s.branch.mask if s.branch is not None else None for s in samples]
         params = [s.seq.params for s in samples]
         # Penalties need each row's tokens; only a runner that samples in this process gets them
         # (LLM refuses penalties on a pipeline).
         extra = {"history": [(s.seq.token_ids, s.seq.num_prompt) if s.seq.params.penalized else None
                              for s in samples]} if any(p.penalized for p in params) else {}
-        out = self.runner.sample(handle, [s.row for s in samples], params, [s.seq.rng for s in samples], masks,
-                                 **extra)
+        rngs = [s.seq.rng for s in samples]
+        if kept is not None:
+            out = self.sampler.sample(kept, params, rngs, masks, **extra)
+        else:
+            out = self.runner.sample(handle, [s.row for s in samples], params, rngs, masks, **extra)
         for s, token, logprob in zip(samples, out.tokens, out.logprobs):
             self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
 

@@ -27,7 +27,7 @@ typedef struct rudder_ticker rudder_ticker;
 rudder_ticker *rudder_ticker_start(void *engine, void *increment, long period_ns);
 void rudder_ticker_stop(rudder_ticker *t);
 typedef struct rudder_deadline {
-    int64_t cpu_limit_ns; int64_t wall_limit_ns; int64_t charged_ns; int64_t tick_ns; int32_t expired;
+    int64_t cpu_limit_ns; int64_t wall_limit_ns; int64_t tick_ns; int32_t expired;
     void *error_new; void *set_deadline; void *call;
 } rudder_deadline;
 void *rudder_guarded_call(rudder_deadline *d, void *context, const void *func, void *args, size_t n, void **trap,

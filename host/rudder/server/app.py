@@ -190,6 +190,13 @@ def _routes(app: FastAPI, config: ServerConfig) -> None:
             "controller_modules": ("Controller modules in the registry (built-in and uploaded).",
                                    len(svc.registry.builtin) + svc.registry.store.count_modules()),
         }
+        runtime = svc.llm.runtime.stats()
+        gauges.update({
+            "guest_memory_bytes": ("Linear memory of all live controller instances.", runtime["guest_memory_bytes"]),
+            "guest_memory_budget_bytes": ("The server's budget for that memory.", runtime["guest_memory_budget"]),
+            "snapshot_bytes": ("Post-init snapshots kept for loaded modules.", runtime["snapshot_bytes"]),
+            "snapshot_budget_bytes": ("The budget for those snapshots.", runtime["snapshot_budget"]),
+        })
         return PlainTextResponse(svc.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     # -- the registry ---------------------------------------------------------------------------

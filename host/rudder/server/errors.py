@@ -67,6 +67,8 @@ def controller_error(e: ControllerError, controller: str | None = None, param: s
         message = f"the {controller or 'controller'} controller refused its argument: {reason}"
     elif e.kind == "init" and reason:
         message = f"{message}: {reason}"
+    if e.busy:  # a shared resource (guest memory, instance slots) is in use now: the same request may pass later
+        return APIError("too_many_requests", message, param=param, code=e.kind, kind=e.kind, log_tail=e.log_tail)
     return APIError("controller_error", message, param=param, code=e.kind, kind=e.kind, log_tail=e.log_tail)
 
 
