@@ -92,6 +92,21 @@ def _llm(model: str, device: str, pipeline_stages: str, draft_model: str = "int8
     return LLM(model, device=_device(device), pipeline_stages=_stages(pipeline_stages), draft_model=draft_model)
 
 
+def _check_module(controller: str) -> None:
+    """Load a .wasm file's module (its checks: format, imports, exports) in a runtime of its own,
+    so that one that cannot load fails in a moment, before the model (and torch) loads."""
+    path = Path(controller)
+    if not (controller.endswith(".wasm") or path.is_file()):
+        return  # a built-in name: built and checked with the model's runtime
+    if not path.is_file():
+        raise ValueError(f"no such controller file: {path}")
+    from .controller import ControllerRuntime
+    from .tokenizer import Tokenizer
+
+    with ControllerRuntime(Tokenizer.byte_level(), cache_dir=False, max_instances=0) as runtime:
+        runtime.load(path.read_bytes())
+
+
 def _stages(text: str) -> int | list[int] | None:
     """--pipeline-stages: "N" stages (an even split) or a layout "18,12" (layers per stage)."""
     parts = text.split(",")
@@ -112,8 +127,7 @@ def _user_errors():
     """Exceptions that are the user's input, reported in one line (never a traceback)."""
     from .controller import ControllerError
     from .controller.build import BuildError
-    from .engine import RunnerFailure
-    from .errors import ModelFetchError
+    from .errors import ModelFetchError, RunnerFailure
 
     return (ValueError, OSError, ModelFetchError, ControllerError, BuildError, RunnerFailure)
 
@@ -211,6 +225,8 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
     llm, log_text = None, lambda: ""
     try:
         params = _params(**sampling)
+        if controller is not None:
+            _check_module(controller)  # a module that cannot load fails before the model loads
         llm = _llm(model, device, pipeline_stages, draft_model)
         params, name, name_arg = llm.steer(params, controller, _read_arg(arg) if controller else "")
         ctl = None

@@ -15,15 +15,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..errors import RunnerFailure
 from .sampler import SampleOutput
 from .step import ScheduledSeq
 
 __all__ = ["Capabilities", "Runner", "RunnerFailure"]
-
-
-class RunnerFailure(RuntimeError):
-    """The model runner itself failed (a pipeline stage died or timed out): every request in
-    flight ends with this error, and the engine takes no more requests."""
 
 
 @dataclass(frozen=True)
