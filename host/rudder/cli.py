@@ -156,13 +156,13 @@ def _read_limits(items: list[str]) -> dict | None:
     return limits or None
 
 
-def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
+def _stream(llm, prompt, params, chat, controller=None, arg="", trace: bool = False) -> list:
     """Stream branch 0 to stdout (erasing backtracked text on a terminal); forks are printed
     whole at the end. A controller can take text back, so into a pipe its output is written
     once it is final. Returns the final delta of each branch."""
     finals, texts = {}, {}
     buffered = controller is not None and not sys.stdout.isatty()
-    for delta in llm.stream(prompt, params, chat=chat, controller=controller, controller_arg=arg):
+    for delta in llm.stream(prompt, params, chat=chat, controller=controller, controller_arg=arg, trace=trace):
         text = texts.get(delta.branch, "")
         if delta.backtrack_chars:
             text = text[: len(text) - delta.backtrack_chars]
@@ -175,6 +175,8 @@ def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
             sys.stdout.flush()
         if delta.finished:
             finals[delta.branch] = delta
+            for step in delta.trace or ():
+                sys.stderr.write(f"[trace] {step.describe(llm.tokenizer)}\n")
             if delta.speculative is not None and delta.branch == 0:
                 s = delta.speculative
                 sys.stderr.write(f"[speculative: drafted {s['drafted']}, accepted {s['accepted']}, "
@@ -218,7 +220,7 @@ def _structured(json_schema: str | None, regex: str | None, choice: list[str], g
 
 def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: str,
               controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False,
-              draft_model: str = "int8") -> None:
+              draft_model: str = "int8", trace: bool = False) -> None:
     """What `generate` and `run` share: set up, stream, report errors in one line (plus the
     controller's log tail), release the model (and its pipeline stages)."""
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -233,7 +235,7 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
         if name is not None:
             ctl = llm.start_controller(name, name_arg, _read_limits(list(limits)))
             log_text = ctl.log_text
-        finals = _stream(llm, prompt, params, chat, ctl)
+        finals = _stream(llm, prompt, params, chat, ctl, trace=trace)
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
     except _user_errors() as e:
@@ -274,6 +276,8 @@ def run(prompt: str = PROMPT,
         controller: str = typer.Option(..., "--controller", "-c", help="A built-in controller name (see `rudder controllers`) or a .wasm file."),
         arg: str = typer.Option("", "--arg", "-a", help="The controller's argument: TEXT, or @FILE to read it from a file."),
         log: bool = typer.Option(False, "--log", help="Print the controller's log to standard error."),
+        trace: bool = typer.Option(False, "--trace", help="Print every Branch the host applied (backtrack, what the "
+                                   "mask allows, fast-forwards, the controller's time) to standard error."),
         limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit, e.g. --limit mid_process_ms=10 "
                                         "(mid_process_ms, init_ms, memory_bytes, max_forks, max_ff_tokens, "
                                         "max_log_bytes, max_var_bytes); repeatable."),
@@ -284,7 +288,7 @@ def run(prompt: str = PROMPT,
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                     speculative=speculative, spec_k=spec_k)
-    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model, trace)
 
 
 @app.command()

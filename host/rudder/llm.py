@@ -138,14 +138,16 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
                  *, chat: bool = False, controller=None, controller_arg: str | bytes = "", controller_limits=None,
-                 controllers: Iterable[Controller | None] | None = None) -> list[Completion]:
+                 controllers: Iterable[Controller | None] | None = None, trace: bool = False) -> list[Completion]:
         """Run all prompts concurrently (continuous batching); one Completion per prompt, in order.
 
         `controller` (a built-in name, .wasm path or bytes) with `controller_arg` steers every
         prompt, each with its own instance; `controllers` gives one ready controller per prompt.
         Structured output in `params` (json_schema, regex, choice, grammar) picks the built-in
         controller itself. A request that forked has all its sequences in `completion.branches`
-        (itself first)."""
+        (itself first). `trace=True`: each completion's `trace` lists the Branch records applied
+        to it, step by step (engine/trace.py: backtrack, the mask as a bitarray, ff lists, the
+        controller's time; `step.describe(llm.tokenizer)` reads as one line)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -173,7 +175,7 @@ class LLM:
         requests = []
         try:
             for p, (sp, _, _), c in zip(prompts, steered, ctls):
-                requests.append(self.engine.add_request(self.prompt_text(p, chat), sp, c))
+                requests.append(self.engine.add_request(self.prompt_text(p, chat), sp, c, trace=trace))
         except BaseException:  # the engine closed the refused one's controller; cancel and close the rest
             for r in requests:
                 self.engine.cancel(r.request_id)
@@ -197,20 +199,24 @@ class LLM:
         return results
 
     def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, *, chat: bool = False,
-               controller=None, controller_arg: str | bytes = "", controller_limits=None) -> Iterator[Delta]:
+               controller=None, controller_arg: str | bytes = "", controller_limits=None,
+               trace: bool = False) -> Iterator[Delta]:
         """Yield text deltas as they are decoded (`delta.branch` tells forks apart). Closing the
         iterator cancels the request. `controller`: a ready controller, a built-in name, a .wasm
-        path or wasm bytes (with `controller_arg`); or structured output in `params`."""
+        path or wasm bytes (with `controller_arg`); or structured output in `params`. `trace`:
+        each branch's last delta carries the Branch records applied to it (see `generate`)."""
         params, controller, controller_arg = self.steer(params, controller, controller_arg)
         if controller is not None and not hasattr(controller, "mid_process"):
             controller = self.start_controller(controller, controller_arg, controller_limits)
-        req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller)
+        req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller, trace=trace)
         try:
             while not req.finished:
                 for delta in self.engine.step():
                     if delta.request_id == req.request_id:
                         if delta.finished and req.spec_stats is not None:
                             delta.speculative = req.spec_stats.as_dict(sum(s.num_output for s in req.seqs))
+                        if delta.finished and req.trace is not None:
+                            delta.trace = [t for t in req.trace if t.branch == delta.branch]
                         yield delta
         finally:
             if not req.finished:

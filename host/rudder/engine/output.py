@@ -29,6 +29,7 @@ class Delta:
     backtrack_chars: int = 0
     backtrack_tokens: int = 0
     speculative: dict | None = None  # on a finished delta of a speculative stream (LLM.stream): its stats
+    trace: list | None = None  # on a finished delta of a traced stream: the Branch records applied (engine/trace.py)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Completion:
     error: str | None = None
     branches: list["Completion"] = field(default_factory=list, repr=False)  # all forks (LLM.generate)
     speculative: dict | None = None  # speculative decoding stats of the request (engine/speculative.py)
+    trace: list | None = None  # the Branch records applied to this sequence (engine/trace.py), when asked for
 
 
 class TextOutput:

@@ -125,6 +125,7 @@ class Request:
         self.error: str | None = None
         self.usage = Usage()
         self.work = 0  # tokens appended to, or re-fed into, its sequences, plus a cost per fork
+        self.trace: list | None = None  # engine/trace.py's TraceSteps, when the request asked for them
         self.spec_stats = None  # speculative.SpecStats of a speculative request
 
     @property
