@@ -103,8 +103,12 @@ def _check_module(controller: str) -> None:
     from .controller import ControllerRuntime
     from .tokenizer import Tokenizer
 
-    with ControllerRuntime(Tokenizer.byte_level(), cache_dir=False, max_instances=0) as runtime:
-        runtime.load(path.read_bytes())
+    data = path.read_bytes()
+    # A component (Python/JS) takes seconds to compile: check it through the shared disk cache,
+    # so the model's runtime loads the compiled form right after.
+    component = data[4:8] == b"\x0d\x00\x01\x00"
+    with ControllerRuntime(Tokenizer.byte_level(), cache_dir=None if component else False, max_instances=0) as runtime:
+        runtime.load(data)
 
 
 def _stages(text: str) -> int | list[int] | None:
@@ -393,16 +397,25 @@ def controllers() -> None:
 
 
 @app.command()
-def build(sources: list[Path] = typer.Argument(..., help="C source files of the controller."),
+def build(sources: list[Path] = typer.Argument(..., help="C source files of the controller, or one .py / .js file."),
           output: Path = typer.Option(..., "--output", "-o", help="The .wasm file to write."),
           debug: bool = typer.Option(False, "--debug", help="Debug build: -O1 -g, undefined behaviour traps.")) -> None:
-    """Build a controller from C sources with the guest SDK (zig cc, wasm32)."""
+    """Build a controller: C sources with the guest SDK (zig cc, wasm32), or one Python or
+    JavaScript file into a component (componentize-py / componentize-js)."""
     from .controller.build import BuildError, build_controller
 
+    scripts = [p for p in sources if p.suffix in (".py", ".js", ".mjs")]
     try:
-        out = build_controller(sources, output, debug=debug)
+        if scripts:  # a Python or JavaScript controller: a component (controller/component_build.py)
+            if len(sources) != 1:
+                raise BuildError("a Python or JavaScript controller is built from one file")
+            from .controller.component_build import build_component
+
+            out = build_component(sources[0], output)
+        else:
+            out = build_controller(sources, output, debug=debug)
     except (BuildError, OSError) as e:
-        _fail(str(e))
+        _fail(e.summary if isinstance(e, BuildError) and scripts else str(e))
     typer.echo(f"{out} ({out.stat().st_size} bytes)")
 
 
