@@ -43,6 +43,15 @@ def test_a_syntax_error_is_one_line_naming_file_and_line(tmp_path):
     assert "\n" not in e.value.summary
 
 
+def test_a_javascript_syntax_error_is_one_line_naming_file_and_line(tmp_path):
+    src = tmp_path / "broken.js"
+    src.write_text('import { Controller } from "rudder";\n\nexport default class C extends Controller {\n  midProcess(step) {\n    return (;\n  }\n}\n')
+    with pytest.raises(BuildError) as e:
+        build_component(src, tmp_path / "broken.wasm")
+    assert e.value.summary.startswith(f"{src}:5: SyntaxError"), e.value.summary
+    assert "\n" not in e.value.summary
+
+
 def test_a_module_without_a_controller_class_is_refused_at_build(tmp_path):
     src = tmp_path / "empty_ctl.py"
     src.write_text("x = 1\n")
@@ -53,9 +62,13 @@ def test_a_module_without_a_controller_class_is_refused_at_build(tmp_path):
 
 # ----------------------------------------------------------------------------- the runtime
 
-def test_digits_masks_are_exactly_the_digit_tokens(rt):
+DIGITS = ["digits", "js/digits"]  # the Python and the JavaScript example
+
+
+@pytest.mark.parametrize("name", DIGITS)
+def test_digits_masks_are_exactly_the_digit_tokens(rt, name):
     tok = rt.tokenizer
-    module = rt.load(example("digits"))
+    module = rt.load(example(name))
     assert module.wasm_size > 1 << 20
     ctl = rt.start(module, "")
     digit_ids = sorted(i for i, b in enumerate(tok.token_bytes) if b and all(48 <= c <= 57 for c in b))
@@ -70,9 +83,10 @@ def test_digits_masks_are_exactly_the_digit_tokens(rt):
     assert ctl.request.live == 0
 
 
-def test_state_survives_a_backtrack_and_each_request_starts_from_init(rt):
+@pytest.mark.parametrize("name", DIGITS)
+def test_state_survives_a_backtrack_and_each_request_starts_from_init(rt, name):
     tok = rt.tokenizer
-    module = rt.load(example("digits"))
+    module = rt.load(example(name))
     a = rt.start(module, "")
     a.mid_process(0, 0, tok.encode("q"))
     for _ in range(3):
@@ -122,14 +136,15 @@ def test_a_compiled_component_loads_from_the_disk_cache(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 
-def _digits_run(llm, seed=None):
+def _digits_run(llm, seed=None, name="digits"):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
-    [out] = llm.generate(["How many legs has a spider?"], params, chat=True, controller=example("digits"))
+    [out] = llm.generate(["How many legs has a spider?"], params, chat=True, controller=example(name))
     return out
 
 
-def test_digits_end_to_end_on_the_tiny_model(tiny):
-    out = _digits_run(tiny, seed=1)
+@pytest.mark.parametrize("name", DIGITS)
+def test_digits_end_to_end_on_the_tiny_model(tiny, name):
+    out = _digits_run(tiny, seed=1, name=name)
     assert out.finish_reason in ("stop", "length"), out.error
     assert out.text and set(out.text) <= set(string.digits), out.text
     assert 1 <= len(out.token_ids) <= 6
@@ -150,10 +165,11 @@ def test_fork_end_to_end_on_the_tiny_model(tiny):
 @pytest.mark.model
 def test_digits_and_fork_end_to_end_on_smollm2():
     llm = LLM("smollm2")
-    out = _digits_run(llm, seed=2)
-    assert out.error is None and out.text and set(out.text) <= set(string.digits), out.text
-    again = _digits_run(llm, seed=2)
-    assert again.token_ids == out.token_ids
+    for name in DIGITS:
+        out = _digits_run(llm, seed=2, name=name)
+        assert out.error is None and out.text and set(out.text) <= set(string.digits), (name, out.text)
+        again = _digits_run(llm, seed=2, name=name)
+        assert again.token_ids == out.token_ids
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=7)
     [forked] = llm.generate(["Give me a name for a boat."], params, chat=True, controller=example("fork"),
                             controller_arg="3")

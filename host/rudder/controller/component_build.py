@@ -193,7 +193,7 @@ def _check_js(source: Path, node: str, tmp: Path) -> None:
 def _build_js(source: Path, target: Path, tmp: Path) -> None:
     node = _node()
     _check_js(source, node, tmp)
-    cmd = [node, str(JS_SDK / "build.mjs"), str(source), str(target), str(WIT_DIR), WORLD]
+    cmd = [node, str(JS_SDK / "build.mjs"), str(source.resolve()), str(target), str(WIT_DIR), WORLD]
     proc = _run(cmd, tmp, env={"NODE_PATH": str(NODE_MODULES)})
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
