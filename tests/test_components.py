@@ -174,3 +174,53 @@ def test_digits_and_fork_end_to_end_on_smollm2():
     [forked] = llm.generate(["Give me a name for a boat."], params, chat=True, controller=example("fork"),
                             controller_arg="3")
     assert len(forked.branches) == 3 and all(b.token_ids for b in forked.branches)
+
+
+# ----------------------------------------------------------------------------- hand-off to a built-in
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _json_run(llm, seed):
+    import json
+
+    params = SamplingParams(max_tokens=60, temperature=0.8, seed=seed)
+    [out] = llm.generate(["Invent a person as JSON."], params, chat=True, controller=example("json_then_stop"),
+                         controller_arg=json.dumps(PERSON))
+    return out
+
+
+def test_json_hand_off_gives_a_valid_document_on_the_tiny_model(tiny):
+    import json
+
+    import jsonschema
+
+    out = _json_run(tiny, seed=4)
+    assert out.finish_reason == "stop", (out.finish_reason, out.error, out.text)
+    jsonschema.validate(json.loads(out.text), PERSON)
+    again = _json_run(tiny, seed=4)
+    assert again.token_ids == out.token_ids
+
+
+def test_a_hand_off_names_a_built_in_controller(rt):
+    with pytest.raises(ControllerError) as e:
+        rt._hand_off("no-such-controller", "", rt.limits)
+    assert e.value.kind == "invalid_result" and "no built-in controller 'no-such-controller'" in str(e.value)
+    with pytest.raises(ControllerError) as e:
+        rt._hand_off("json", "{not json", rt.limits)  # the built-in's own refusal
+    assert e.value.kind == "start"
+
+
+@pytest.mark.model
+def test_json_hand_off_on_smollm2():
+    import json
+
+    import jsonschema
+
+    llm = LLM("smollm2")
+    for seed in (1, 2):
+        out = _json_run(llm, seed)
+        assert out.finish_reason == "stop", (out.error, out.text)
+        jsonschema.validate(json.loads(out.text), PERSON)
