@@ -186,7 +186,9 @@ export function __rudderRegister(cls) {
 
 function failure(e) {
   if (e instanceof Refuse) return { payload: { tag: 'refused', val: String(e.message || 'refused') } };
-  if (e instanceof RangeError && /memory/i.test(String(e.message))) return { payload: { tag: 'out-of-memory', val: String(e) } };
+  // SpiderMonkey throws the bare string "out of memory" when an allocation fails.
+  const text = String(e && e.message !== undefined ? e.message : e);
+  if (/out of memory|allocation size overflow/i.test(text)) return { payload: { tag: 'out-of-memory', val: text } };
   const where = e && e.stack ? ' ' + String(e.stack).split('\n')[0] : '';
   log(`${e && e.name ? e.name : 'Error'}: ${e && e.message !== undefined ? e.message : e}\n${e && e.stack ? e.stack : ''}`);
   return { payload: { tag: 'exception', val: `${e && e.name ? e.name : 'Error'}: ${e && e.message !== undefined ? e.message : e}${where}`.slice(0, 400) } };
