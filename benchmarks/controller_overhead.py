@@ -21,7 +21,8 @@ Rows:
   JavaScript (components, docs/components.md), same run, same vocabulary: start (a request on
   a cached, initialised controller), a trivial step (`fork` with argument 1: sample, no mask),
   a JSON-mask step (C: the `json` controller; Python/JS: `json_then_stop`, which hands the span
-  to it) walking a fixed document token by token, fork (copy a live controller), and RSS per
+  to it) walking a fixed document token by token, fork (copy a live controller holding a
+  200-token sequence: a component's fork cost grows with its saved state), and RSS per
   live instance (20 started, RSS delta / 20). Goals: start <= 10 ms, trivial step <= 50 us,
   JSON step <= C's + 50 us, RSS <= 8 MiB per instance.
 - with --e2e: SmolLM2 greedy decode tokens/s with the full-mask controller on every sequence vs
@@ -231,9 +232,11 @@ def measure_languages(tokenizer, calls: int = 2000) -> list[dict]:
             rt.start(trivial, "1").close()  # init runs once per module
             start = _stats(_timed(lambda: rt.start(trivial, "1").close(), 60, warmup=5))
             ctl = rt.start(trivial, "1")
-            ctl.mid_process(0, 0, [1, 2, 3])
-            step = _stats(_timed(lambda: ctl.mid_process(0, 0, [5]), calls))
+            ctl.mid_process(0, 0, list(range(1, 101)))  # a 100-token prompt ...
+            for t in range(100):
+                ctl.mid_process(0, 0, [t])               # ... and 100 generated: what a fork copies
             fork = _stats(_timed(lambda: ctl.fork().close(), 40, warmup=3))
+            step = _stats(_timed(lambda: ctl.mid_process(0, 0, [5]), calls))
             ctl.close()
 
             def walk():

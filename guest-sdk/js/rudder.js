@@ -164,7 +164,8 @@ export class HandOff {
 
 export class Step {
   constructor(index, branch, backtrack, tokens, seq, promptLen) {
-    Object.assign(this, { index, branch, backtrack, tokens, seq, promptLen });
+    this.index = index; this.branch = branch; this.backtrack = backtrack;
+    this.tokens = tokens; this.seq = seq; this.promptLen = promptLen;
   }
   get generated() { return this.seq.slice(this.promptLen); }
 }
@@ -202,9 +203,12 @@ function wireMask(m) {
   throw new TypeError('a mask is a TokenSet, Uint32Array or Uint8Array');
 }
 
+const NO_FF = [];
+
 function wireBranch(b) {
   if (!(b instanceof Branch)) throw new TypeError('midProcess must return Branch objects');
-  return { backtrack: b.backtrack >>> 0, mask: wireMask(b.mask), ff: b.ff.map((l) => Uint32Array.from(l)) };
+  const ff = b.ff.length ? b.ff.map((l) => Uint32Array.from(l)) : NO_FF;
+  return { backtrack: b.backtrack >>> 0, mask: b.mask === null ? undefined : wireMask(b.mask), ff };
 }
 
 function wireStep(answer) {
@@ -232,9 +236,9 @@ export function midProcess(branchIdx, backtrack, tokens) {
   try {
     const seq = ctl.seq;
     if (backtrack) seq.length = seq.length - backtrack;
-    for (const t of tokens) seq.push(t);
+    for (let i = 0; i < tokens.length; i++) seq.push(tokens[i]);
     if (ctl.__steps === 0) ctl.promptLen = seq.length;
-    const step = new Step(ctl.__steps, branchIdx, backtrack, Array.from(tokens), seq, ctl.promptLen);
+    const step = new Step(ctl.__steps, branchIdx, backtrack, tokens, seq, ctl.promptLen);
     ctl.__steps++;
     return wireStep(ctl.midProcess(step));
   } catch (e) { throw failure(e); }
