@@ -13,7 +13,7 @@ import time
 
 from ..controller import ControllerError
 from ..engine import Engine, RunnerFailure
-from .errors import APIError, from_finish
+from .errors import APIError, controller_error, from_finish
 from .jobs import Job, Result
 from .metrics import Metrics
 
@@ -86,10 +86,14 @@ class EngineLoop:
         try:
             req = self.engine.add_request(job.prompt, job.params, job.controller)  # closes it on refusal
         except (ValueError, RunnerFailure, ControllerError) as e:
-            kind = "engine_error" if isinstance(e, RunnerFailure) else "invalid_request"
-            self.metrics.failure(kind)
+            if isinstance(e, ControllerError):  # its kind and log reach the client, as everywhere else
+                error = controller_error(e)
+                self.metrics.failure(e.kind)
+            else:
+                error = APIError("engine_error" if isinstance(e, RunnerFailure) else "invalid_request", str(e))
+                self.metrics.failure(error.type)
             job.outcome = "error"
-            job.post(("error", APIError(kind, str(e))))
+            job.post(("error", error))
             return
         job.request = req
         self._jobs[req.request_id] = job
