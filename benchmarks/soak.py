@@ -22,6 +22,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,7 +57,7 @@ def _metric(text: str, name: str) -> float | None:
 class Soak:
     def __init__(self, url: str, rng: random.Random):
         self.url, self.rng = url, rng
-        self.client = httpx.Client(base_url=url, timeout=300)
+        self.client = httpx.Client(base_url=url, timeout=120)
         self.modules: dict[str, str] = {}
         self.outcomes: dict[str, dict[str, int]] = {}
         self.bad: list[str] = []
@@ -74,6 +75,12 @@ class Soak:
         return self.modules[name]
 
     def one(self, i: int) -> None:
+        try:
+            self._one()
+        except httpx.HTTPError as e:  # a request with no answer (a hang, a dropped connection) is a failure
+            self.bad.append(f"request {i}: {type(e).__name__}: {e}")
+
+    def _one(self) -> None:
         pick = self.rng.random()
         if pick < 0.2:
             kind, outcome = "plain", self.run(None)
@@ -116,8 +123,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     port = _free_port()
+    # The server's log goes to a file: a pipe nobody reads fills up and blocks the server's logging.
+    log = tempfile.NamedTemporaryFile("w+", prefix="rudder-soak-", suffix=".log", delete=False)
     server = subprocess.Popen([str(RUDDER), "serve", "--model", args.model, "--port", str(port),
-                               *args.serve_args.split()], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               *args.serve_args.split()], stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     soak = Soak(url, random.Random(1))
     proc = psutil.Process(server.pid)
@@ -125,7 +134,7 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + 300
         while True:
             if server.poll() is not None:
-                raise SystemExit(f"the server did not start: {server.stderr.read()[-2000:]}")
+                raise SystemExit(f"the server did not start: {Path(log.name).read_text()[-2000:]}")
             try:
                 if soak.client.get("/healthz").status_code == 200:
                     break
@@ -165,6 +174,7 @@ def main(argv=None) -> int:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+    print(f"server log: {log.name}", file=sys.stderr)
     result = {"requests": done, "seconds": round(time.monotonic() - t0, 1), "server_alive": alive,
               "unhealthy_checks": unhealthy, "bad_answers": soak.bad[:20], "rss_after_warmup_mib": rss0 >> 20,
               "rss_after_mib": rss1 >> 20, "rss_ratio": round(rss1 / rss0, 3) if rss0 else None,
