@@ -1067,6 +1067,60 @@ const uint32_t *rudder_rx_mask(rudder_rx *rx, uint32_t state) {
     return rx->masks[state];
 }
 
+/* ------------------------------------------------------------------------------------------
+ * The engine for the token layer.
+ * ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    rudder_rx *rx;
+    uint32_t state;
+} rx_engine;
+
+static bool e_push(void *self, const uint8_t *bytes, uint32_t n) {
+    rx_engine *e = self;
+    uint32_t s = rudder_rx_push_bytes(e->rx, e->state, bytes, n);
+    if (s == RUDDER_DEAD)
+        return false;
+    e->state = s;
+    return true;
+}
+
+static uint32_t e_save(void *self) { return ((rx_engine *)self)->state; }
+static void e_restore(void *self, uint32_t cp) { ((rx_engine *)self)->state = cp; }
+static bool e_accepting(void *self) { return rudder_rx_accepting(((rx_engine *)self)->rx, ((rx_engine *)self)->state); }
+
+static uint32_t e_walk(void *self, uint32_t *mask, uint32_t first, uint32_t end) {
+    rx_engine *e = self;
+    const rudder_recognizer r = {.push = push_cb, .self = e->rx};
+    return rudder_trie_fill_range(mask, &r, e->state, first, end);
+}
+
+static uint32_t e_forced(void *self, uint8_t *dst, uint32_t cap) {
+    rx_engine *e = self;
+    uint32_t s = e->state, n = 0;
+    int32_t b;
+    while (n < cap && (b = rudder_rx_forced_byte(e->rx, s)) >= 0) {
+        dst[n++] = (uint8_t)b;
+        s = rudder_rx_push(e->rx, s, (uint8_t)b);
+    }
+    return n;
+}
+
+static uint32_t e_key(void *self, uint8_t *dst, uint32_t cap) {
+    if (cap >= 4)
+        memcpy(dst, &((rx_engine *)self)->state, 4);
+    return 4;
+}
+
+rudder_engine rudder_rx_engine(rudder_rx *rx) {
+    rx_engine *e = rudder_xalloc(sizeof *e);
+    e->rx = rx;
+    e->state = rudder_rx_start(rx, NULL);
+    return (rudder_engine){.name = "regex", .what = "the match", .self = e, .push = e_push, .save = e_save,
+                           .restore = e_restore, .accepting = e_accepting, .walk = e_walk, .forced = e_forced,
+                           .key = e_key};
+}
+
 uint32_t rudder_rx_escape(const char *text, uint32_t len, char *dst, uint32_t cap) {
     static const char special[] = "\\.^$|?*+()[]{}-";
     uint32_t n = 0;
