@@ -543,6 +543,7 @@ struct rudder_rx {
     uint8_t *flags;
     int16_t *forced;
     uint32_t **masks;
+    uint32_t **live;           /* per state: the bytes that keep it alive (8 words), built on use */
     uint32_t *table;           /* hash table of state ids (NONE: empty) */
     uint32_t table_cap;
     uint32_t start_all;
@@ -809,6 +810,8 @@ static uint32_t intern(rudder_rx *rx, uint32_t n) {
         rx->forced = rudder_grow(rx->forced, &cap, id + 1, sizeof(int16_t));
         cap = rx->cap_dfa;
         rx->masks = rudder_grow(rx->masks, &cap, id + 1, sizeof(uint32_t *));
+        cap = rx->cap_dfa;
+        rx->live = rudder_grow(rx->live, &cap, id + 1, sizeof(uint32_t *));
         rx->cap_dfa = cap;
     }
     if ((id + 1) * nc > rx->cap_next) {
@@ -842,6 +845,7 @@ static uint32_t intern(rudder_rx *rx, uint32_t n) {
     rx->flags[id] = flags;
     rx->forced[id] = -2;
     rx->masks[id] = NULL;
+    rx->live[id] = NULL;
     if (2 * rx->n_dfa > rx->table_cap) {   /* rehash at half load */
         rudder_free(rx->table);
         rx->table_cap *= 2;
@@ -977,7 +981,7 @@ void rudder_rx_free(rudder_rx *rx) {
     if (!rx)
         return;
     for (uint32_t i = 0; i < rx->n_dfa; i++)
-        rudder_free(rx->masks[i]);
+        rudder_free(rx->masks[i]), rudder_free(rx->live[i]);
     rudder_free(rx->dfa.next);
     rudder_free(rx->nfa);
     rudder_free(rx->pattern_start);
@@ -989,6 +993,7 @@ void rudder_rx_free(rudder_rx *rx) {
     rudder_free(rx->flags);
     rudder_free(rx->forced);
     rudder_free(rx->masks);
+    rudder_free(rx->live);
     rudder_free(rx->table);
     rudder_free(rx->mark);
     rudder_free(rx->stack);
@@ -1119,6 +1124,28 @@ rudder_engine rudder_rx_engine(rudder_rx *rx) {
     return (rudder_engine){.name = "regex", .what = "the match", .self = e, .push = e_push, .save = e_save,
                            .restore = e_restore, .accepting = e_accepting, .walk = e_walk, .forced = e_forced,
                            .key = e_key};
+}
+
+const uint32_t *rudder_rx_live_bytes(rudder_rx *rx, uint32_t state) {
+    if (!valid(rx, state))
+        return NULL;
+    if (!rx->live[state]) {
+        uint32_t *set = rudder_zalloc(32), done[8] = {0};
+        if (!set)
+            rudder_panic("regex: out of memory");
+        for (uint32_t b = 0; b < 256; b++) {   /* one push per byte class */
+            uint8_t cls = rx->dfa.classes[b];
+            if ((done[cls >> 5] >> (cls & 31)) & 1)
+                continue;
+            done[cls >> 5] |= 1u << (cls & 31);
+            if (rudder_rx_push(rx, state, (uint8_t)b) != RUDDER_DEAD)
+                for (uint32_t x = b; x < 256; x++)
+                    if (rx->dfa.classes[x] == cls)
+                        set[x >> 5] |= 1u << (x & 31);
+        }
+        rx->live[state] = set;   /* after the pushes: they may add states (and move rx->live) */
+    }
+    return rx->live[state];
 }
 
 uint32_t rudder_rx_escape(const char *text, uint32_t len, char *dst, uint32_t cap) {

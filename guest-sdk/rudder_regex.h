@@ -83,6 +83,8 @@ int32_t rudder_rx_forced_byte(rudder_rx *rx, uint32_t state);
 uint32_t rudder_rx_fill_mask(rudder_rx *rx, uint32_t state, uint32_t *mask);
 /* The same mask, computed once per state and cached (valid until rudder_rx_free). */
 const uint32_t *rudder_rx_mask(rudder_rx *rx, uint32_t state);
+/* The bytes that keep `state` alive, a 256-bit set (8 words), cached per state. */
+const uint32_t *rudder_rx_live_bytes(rudder_rx *rx, uint32_t state);
 
 /* The regex as an engine for the token layer (rudder_constraint.h): a whole match of its
  * patterns from the start state; positions are DFA states (their own checkpoints and keys). */
