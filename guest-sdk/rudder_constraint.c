@@ -83,31 +83,41 @@ bool rudder_cx_begin(rudder_cx *cx, const uint8_t *prefix, uint32_t n) {
     return true;
 }
 
-bool rudder_cx_follow(rudder_cx *cx, const uint32_t *tokens, uint32_t n, uint32_t kept, uint32_t *bad, bool *ended) {
-    const rudder_engine *e = &cx->e;
-    *ended = false;
+void rudder_cx_rewind(rudder_cx *cx, uint32_t kept) {
     if (kept > cx->n_cps - 1)
         kept = cx->n_cps - 1;
-    if (kept > n)
-        kept = n;
-    e->restore(e->self, cx->cps[kept]);
+    cx->e.restore(cx->e.self, cx->cps[kept]);
     cx->n_cps = kept + 1;
-    for (uint32_t i = kept; i < n; i++) {
-        uint32_t len, tok = tokens[i];
-        const uint8_t *bytes = rudder_token_bytes(tok, &len);
-        if (tok == cx->eos && e->accepting(e->self)) {
+}
+
+bool rudder_cx_push(rudder_cx *cx, uint32_t token) {
+    uint32_t len;
+    const uint8_t *bytes = rudder_token_bytes(token, &len);
+    if (!bytes || !len || !cx->e.push(cx->e.self, bytes, len))
+        return false;
+    cx->cps = rudder_grow(cx->cps, &cx->cap_cps, cx->n_cps + 1, 4);
+    cx->cps[cx->n_cps++] = cx->e.save(cx->e.self);
+    return true;
+}
+
+bool rudder_cx_accepting(rudder_cx *cx) { return cx->e.accepting(cx->e.self); }
+
+bool rudder_cx_follow(rudder_cx *cx, const uint32_t *tokens, uint32_t n, uint32_t kept, uint32_t *bad, bool *ended) {
+    *ended = false;
+    rudder_cx_rewind(cx, kept < n ? kept : n);
+    for (uint32_t i = cx->n_cps - 1; i < n; i++) {
+        if (tokens[i] == cx->eos && rudder_cx_accepting(cx)) {
             *ended = true;   /* the output ended (EOS is allowed only where it may) */
             return true;
         }
-        if (!bytes || !len || !e->push(e->self, bytes, len)) {
-            rudder_logf("%s: token %u (%.*s) after %u generated tokens does not continue %s\n", e->name, tok,
-                        (int)len, bytes ? (const char *)bytes : "", i, e->what);
+        if (!rudder_cx_push(cx, tokens[i])) {
+            uint32_t len;
+            const uint8_t *bytes = rudder_token_bytes(tokens[i], &len);
+            rudder_logf("%s: token %u (%.*s) after %u generated tokens does not continue %s\n", cx->e.name, tokens[i],
+                        (int)len, bytes ? (const char *)bytes : "", i, cx->e.what);
             *bad = i;
             return false;
         }
-        cx->cps = rudder_grow(cx->cps, &cx->cap_cps, i + 2, 4);
-        cx->cps[i + 1] = e->save(e->self);
-        cx->n_cps = i + 2;
     }
     return true;
 }

@@ -68,6 +68,12 @@ bool rudder_cx_begin(rudder_cx *cx, const uint8_t *prefix, uint32_t n);
 bool rudder_cx_follow(rudder_cx *cx, const uint32_t *tokens, uint32_t n, uint32_t kept, uint32_t *bad, bool *ended);
 /* Tokens followed so far. */
 uint32_t rudder_cx_count(const rudder_cx *cx);
+/* The same one token at a time: back to after the first `kept` tokens (since the start), then
+ * one more token (false, nothing changed, when the engine rejects it: no log). */
+void rudder_cx_rewind(rudder_cx *cx, uint32_t kept);
+bool rudder_cx_push(rudder_cx *cx, uint32_t token);
+/* May the constrained text end here? */
+bool rudder_cx_accepting(rudder_cx *cx);
 
 /* The answer at the current position. Either ff (n_ff > 0: append these tokens, forced), or
  * sample under mask (n_tokens > 0: the tokens that continue, plus EOS when accepting) with ff
