@@ -6,6 +6,7 @@
 #define LIST_BUDGET 64u       /* tokens in all the lists of one step, at most */
 #define CACHE_SLOTS 64u
 #define MAX_KEY 8192u         /* positions with longer keys are not cached */
+#define TEXT_SLOTS 64u        /* tokenizations of forced text kept (the same runs come back: `,"`) */
 
 /* One cached answer: the info, its mask (preallocated: growing memory in the middle of a
  * step costs milliseconds), the ff tokens then the list tokens, and the lists. */
@@ -31,6 +32,11 @@ struct rudder_cx {
     uint32_t *walk_mask;              /* for walks whose tokens are only counted */
     char why[160];
     uint8_t run[MAX_FORCED];
+    struct {
+        uint8_t *text;
+        uint32_t n_text, *toks, n_toks;
+    } texts[TEXT_SLOTS];   /* forced text -> its tokens (the tokenize import takes the host's GIL) */
+    uint32_t next_text;
 };
 
 static void entry_init(entry *e, uint32_t *mask) {
@@ -60,12 +66,19 @@ rudder_cx *rudder_cx_new(const rudder_engine *engine) {
     cx->cps = rudder_xalloc(cx->cap_cps * 4);
     cx->origin = cx->cps[0] = cx->e.save(cx->e.self);
     cx->n_cps = 1;
+    /* the first answer now, at start (its deadline is a second): the first step, which also
+     * has the first call of the host's tokenizer (a pool warms up), is then a lookup */
+    rudder_cx_info_now(cx);
     return cx;
 }
 
 const rudder_engine *rudder_cx_engine(const rudder_cx *cx) { return &cx->e; }
 
-void rudder_cx_disable_ff(rudder_cx *cx) { cx->ff = false; }
+void rudder_cx_disable_ff(rudder_cx *cx) {
+    cx->ff = false;
+    for (uint32_t i = 0; i < CACHE_SLOTS; i++)   /* (answers made with it) */
+        cx->cache[i].used = false;
+}
 
 uint32_t rudder_cx_count(const rudder_cx *cx) { return cx->n_cps - 1; }
 
@@ -131,6 +144,29 @@ static bool extends(rudder_cx *cx, uint32_t node) {
     return cx->e.walk(cx->e.self, cx->walk_mask, node + 1, node + nodes[2 * node + 1]) > 0;
 }
 
+/* The canonical tokens of forced text (NULL when it is not valid UTF-8), remembered per text.
+ * The result stays valid until the slot is reused (TEXT_SLOTS later). */
+static const uint32_t *tokens_of(rudder_cx *cx, const uint8_t *text, uint32_t n, uint32_t *nt) {
+    for (uint32_t i = 0; i < TEXT_SLOTS; i++)
+        if (cx->texts[i].text && cx->texts[i].n_text == n && !memcmp(cx->texts[i].text, text, n)) {
+            *nt = cx->texts[i].n_toks;
+            return cx->texts[i].toks;
+        }
+    uint32_t *toks = rudder_tokenize(text, n, nt);
+    if (!toks)
+        return NULL;
+    uint32_t k = cx->next_text;
+    cx->next_text = (k + 1) % TEXT_SLOTS;
+    rudder_free(cx->texts[k].text);
+    rudder_free(cx->texts[k].toks);
+    cx->texts[k].text = rudder_xalloc(n);
+    memcpy(cx->texts[k].text, text, n);
+    cx->texts[k].n_text = n;
+    cx->texts[k].toks = toks;
+    cx->texts[k].n_toks = *nt;
+    return toks;
+}
+
 /* The forced bytes from here as tokens, appended to e->toks: whole characters, tokenized
  * canonically (none if the tokenizer cannot write them exactly), the last one held back when
  * a longer token starting with it could follow. Returns how many. */
@@ -139,16 +175,14 @@ static uint32_t forced_tokens(rudder_cx *cx, entry *en) {
     uint32_t n = e->forced(e->self, cx->run, MAX_FORCED), nt;
     while (n && !rudder_utf8_valid(cx->run, n))   /* ends inside a character: cut it */
         n--;
-    uint32_t *toks = n ? rudder_tokenize(cx->run, n, &nt) : NULL;
+    const uint32_t *toks = n ? tokens_of(cx, cx->run, n, &nt) : NULL;
     if (!toks)
         return 0;
     uint32_t total = 0, last_len = 0;
     for (uint32_t i = 0; i < nt; i++)   /* the tokenizer may drop bytes it has no token for */
         rudder_token_bytes(toks[i], &last_len), total += last_len;
-    if (total != n || nt == 0) {
-        rudder_free(toks);
+    if (total != n || nt == 0)
         return 0;
-    }
     uint32_t cp = e->save(e->self);
     if (e->push(e->self, cx->run, n) && extends(cx, rudder_trie_node(cx->run + n - last_len, last_len)))
         nt--;
@@ -156,7 +190,6 @@ static uint32_t forced_tokens(rudder_cx *cx, entry *en) {
     en->toks = rudder_grow(en->toks, &en->cap_toks, en->n_toks + nt + 1, 4);
     memcpy(en->toks + en->n_toks, toks, nt * 4);
     en->n_toks += nt;
-    rudder_free(toks);
     return nt;
 }
 

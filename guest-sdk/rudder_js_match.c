@@ -146,6 +146,33 @@ static bool mag_hits(const jnode *n, bool neg, double a, double b, bool b_open) 
     return neg ? hits(n, -b, -a, b_open, false) : hits(n, a, b, false, b_open);
 }
 
+static int64_t floor_i64(double x) {
+    int64_t i = (int64_t)x;
+    return (double)i > x ? i - 1 : i;
+}
+
+/* An integer of magnitude in [a, b] (of that sign) inside the bounds and, with multipleOf, a
+ * multiple of it? */
+static bool int_hits(const jnode *n, bool neg, double a, double b) {
+    if (!n->mult)
+        return mag_hits(n, neg, a, b, false);
+    int64_t lo = neg ? -(int64_t)b : (int64_t)a, hi = neg ? -(int64_t)a : (int64_t)b, m = n->mult;
+    if (n->has_lo) {
+        int64_t l = -floor_i64(-n->lo);   /* ceil */
+        if (n->lo_excl && (double)l == n->lo)
+            l++;
+        lo = l > lo ? l : lo;
+    }
+    if (n->has_hi) {
+        int64_t h = floor_i64(n->hi);
+        if (n->hi_excl && (double)h == n->hi)
+            h--;
+        hi = h < hi ? h : hi;
+    }
+    int64_t first = lo >= 0 ? (lo + m - 1) / m * m : -((-lo) / m * m);   /* the first multiple >= lo */
+    return lo <= hi && first <= hi;
+}
+
 /* Can the number read so far still end inside the bounds? s->num holds all its digits as an
  * integer (exact: at most 15 of them), the fraction's digit count is in s->len. */
 static bool feasible(const jnode *n, const thread *s) {
@@ -156,14 +183,14 @@ static bool feasible(const jnode *n, const thread *s) {
     bool neg = s->neg;
     switch (s->lphase) {
     case NL_SIGN:
-        return mag_hits(n, true, 0, P10[INT_DIGITS], true);
+        return n->integer ? int_hits(n, true, 1, P10[INT_DIGITS] - 1) : mag_hits(n, true, 0, P10[INT_DIGITS], true);
     case NL_ZERO:
-        return n->integer ? mag_hits(n, neg, 0, 0, false) : mag_hits(n, neg, 0, 1, true);
+        return n->integer ? int_hits(n, neg, 0, 0) : mag_hits(n, neg, 0, 1, true);
     case NL_INT:
-        if (n->integer ? mag_hits(n, neg, x, x, false) : mag_hits(n, neg, x, x + 1, true))
+        if (n->integer ? int_hits(n, neg, x, x) : mag_hits(n, neg, x, x + 1, true))
             return true;
         for (uint32_t j = 1; id + j <= INT_DIGITS; j++)
-            if (n->integer ? mag_hits(n, neg, x * P10[j], (x + 1) * P10[j] - 1, false)
+            if (n->integer ? int_hits(n, neg, x * P10[j], (x + 1) * P10[j] - 1)
                            : mag_hits(n, neg, x * P10[j], (x + 1) * P10[j], true))
                 return true;
         return false;
