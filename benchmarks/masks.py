@@ -60,9 +60,11 @@ PERSON_SCHEMA = json.dumps({
             "type": "object",
             "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
             "required": ["street", "city"],
+            "additionalProperties": False,
         },
     },
     "required": ["name", "age", "email", "tags", "address"],
+    "additionalProperties": False,   # (explicit: absent means "any other keys" in JSON Schema)
 })
 
 # The documents are json.dumps'd with spaces, as the peers' default grammars allow: our json

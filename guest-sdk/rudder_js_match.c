@@ -38,7 +38,7 @@ typedef struct {
     uint16_t node;
     uint8_t phase, flags;
     uint32_t aux;    /* object: key trie node, then the extra key's value node; array: items; literal: trie node */
-    uint32_t aux2;   /* object: next property | current << 8 (0xff: an extra key) | properties written << 16 */
+    uint32_t aux2;   /* object: next property | current << 9 (EXTRA_KEY: an extra key) | properties written << 18 */
     uint32_t aux3;   /* object: properties written (with dependentRequired); array: items matching contains */
 } frame;
 
@@ -119,6 +119,7 @@ static void child_done(const rudder_js *js, thread *s) {
         p->phase = D_DONE;
     } else if (p->phase == O_VALUE) {
         p->phase = O_AFTER;
+        p->aux = 0;   /* (the value's node: no longer needed, and equal states should be equal bytes) */
     } else {   /* A_VALUE */
         const jnode *n = N(js, p->node);
         if (p->aux < n->cap)
@@ -707,7 +708,9 @@ static pset required_now(const rudder_js *js, const jnode *n, const frame *f) {
     return r;
 }
 
-static inline uint32_t written(const frame *f) { return (f->aux2 >> 16) & 0xff; }
+#define EXTRA_KEY 0x1ffu   /* the "current property" of an extra key (properties are < 256) */
+static inline uint32_t next_prop(const frame *f) { return f->aux2 & 0x1ff; }
+static inline uint32_t written(const frame *f) { return (f->aux2 >> 18) & 0xff; }
 
 /* Extra keys may come here: the object has them and one more key leaves room for the
  * required ones (maxProperties). */
@@ -718,7 +721,7 @@ static bool extras_ok(const rudder_js *js, const thread *s, const jnode *n, cons
         uint32_t left = 0;
         if (n->n) {
             pset req = required_now(js, n, f);
-            left = ps_count_from(&req, f->aux2 & 0xff);
+            left = ps_count_from(&req, next_prop(f));
         }
         if (written(f) + 1 + left > n->max)
             return false;
@@ -732,7 +735,7 @@ static bool extras_ok(const rudder_js *js, const thread *s, const jnode *n, cons
  * way to reach minProperties. */
 static pset key_range(const rudder_js *js, const thread *s, const jnode *n, const frame *f) {
     pset fit = {{0}};
-    uint32_t next = f->aux2 & 0xff;
+    uint32_t next = next_prop(f);
     if (next >= n->n)
         return fit;
     pset req = required_now(js, n, f);
@@ -780,27 +783,29 @@ static bool any_in(const pset *p) {
 static bool can_close(const rudder_js *js, const jnode *n, const frame *f) {
     if (n->n) {
         pset req = required_now(js, n, f);
-        if (ps_first_from(&req, f->aux2 & 0xff) != NONE)
+        if (ps_first_from(&req, next_prop(f)) != NONE)
             return false;
     }
     return written(f) >= n->min;
 }
 
-/* The key is complete: property `cur` (0xff: an extra key, whose value node is `value`). */
+/* The key is complete: property `cur` (EXTRA_KEY: an extra key, whose value node is `value`). */
 static void key_done(const rudder_js *js, thread *s, frame *f, const jnode *n, uint32_t cur, uint32_t value) {
     (void)js;
-    uint32_t next = f->aux2 & 0xff, count = written(f);
-    if (cur != 0xff) {
+    uint32_t next = next_prop(f), count = written(f);
+    if (cur != EXTRA_KEY) {
         next = cur + 1;
         if (n->has_deps)
             f->aux3 |= 1u << cur;
     }
-    if (count < 255)
+    /* counted only up to where it matters (min/maxProperties): states then repeat */
+    uint32_t cap = n->max != NONE ? n->max + 1 : n->min;
+    if (count < (cap < 255 ? cap : 255))
         count++;
     f->phase = O_COLON;
     f->flags = 0;
     f->aux = value;
-    f->aux2 = next | cur << 8 | count << 16;
+    f->aux2 = next | cur << 9 | count << 18;
     lex_reset(s);
 }
 
@@ -831,7 +836,7 @@ static int extra_key_byte(const jnode *n, thread *s, uint8_t b) {
     if (lead) {
         if (n->kmax != NONE && s->len >= n->kmax)
             return DEAD;
-        if (s->len < 0xffff)
+        if (s->len < (n->kmax != NONE ? n->kmax : n->kmin))   /* (saturated: states repeat, answers are cached) */
             s->len++;
     }
     if (n->rx[1] && (s->rx[1] = rudder_rx_push(n->rx[1], s->rx[1], b)) == RUDDER_DEAD)
@@ -858,7 +863,7 @@ static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, ui
         uint32_t v = extra_value(js, n, s);
         if (!fits(js, s, v))
             return DEAD;
-        key_done(js, s, f, n, 0xff, v);
+        key_done(js, s, f, n, EXTRA_KEY, v);
         return OK;
     }
     if (extras && b == '\\') {   /* only a declared key (escaped in the schema) goes on */
