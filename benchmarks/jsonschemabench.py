@@ -501,11 +501,19 @@ def main() -> None:
             m = np.concatenate([masks[e][i] for i in idx]) if idx else np.zeros(0)
             summary["subsets"][sub][e] = summarize(recs, m)
 
+    # the files every engine compiled (both modes): validation errors and speed on equal terms
+    common = [i for i, f in enumerate(files) if all(not records[e][f].get("timeout") and not records[e][f]["error"] for e in workers)]
+    summary["common"] = {e: summarize({files[i]: records[e][files[i]] for i in common},
+                                      np.concatenate([masks[e][i] for i in common]) if common else np.zeros(0))
+                         for e in workers}
     print(f"\n{len(files)} files from {args.data}; SmolLM2 vocabulary; timeout {args.timeout:g} s per schema and engine;"
           f" {time.perf_counter() - t_start:.0f} s\n")
     print(HEADER)
     for e in workers:
         print(f"{e:<11} {fmt(summary['total'][e])}")
+    print(f"\non the {len(common)} files every engine compiled:")
+    for e in workers:
+        print(f"{e:<11} {fmt(summary['common'][e])}")
     print("\nper subset:")
     for sub in summary["subsets"]:
         print(f"{sub} ({summary['subsets'][sub][next(iter(workers))]['schemas']} files)")
