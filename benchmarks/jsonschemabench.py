@@ -300,7 +300,10 @@ def worker(name: str, data_dir: str, conn) -> None:
         return
     conn.send({"ready": True})
     while True:
-        file_name = conn.recv()
+        try:
+            file_name = conn.recv()
+        except EOFError:   # the main process is gone
+            return
         if file_name is None:
             return
         try:
