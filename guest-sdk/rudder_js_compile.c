@@ -127,6 +127,11 @@ typedef struct {
     rudder_rx *rx;
 } rx_slot;
 
+typedef struct {
+    char *buf;
+    uint32_t n, cap;
+} sbuf;
+
 typedef struct comp {
     rudder_js *js;
     const rudder_jv *doc;
@@ -144,6 +149,8 @@ typedef struct comp {
     bool old_ref;            /* draft 4-7: $ref ignores its siblings */
     const rudder_jv *root_id;
     bundle any;
+    sbuf *enum_pats;         /* the regex sources of enums of strings (jnode.enum_pat) */
+    uint32_t n_enum_pats, cap_enum_pats;
 } comp;
 
 static void *aalloc(comp *c, uint32_t bytes) {
@@ -346,11 +353,6 @@ static int32_t format_index(const rudder_jv *f) {
             return i;
     return -1;
 }
-
-typedef struct {
-    char *buf;
-    uint32_t n, cap;
-} sbuf;
 
 static void sb_put(sbuf *b, const char *s, uint32_t len) {
     b->buf = rudder_grow(b->buf, &b->cap, b->n + len + 1, 1);
@@ -1468,7 +1470,7 @@ static uint32_t new_node(comp *c, const rudder_jv *where, uint8_t kind) {
     }
     js->nodes = rudder_grow(js->nodes, &js->cap_nodes, js->n_nodes + 1, sizeof(jnode));
     js->nodes[js->n_nodes] = (jnode){.kind = kind, .extra = NONE, .max = NONE, .trie = NONE, .pvals = NONE,
-                                     .kmax = NONE, .frac = 255};
+                                     .kmax = NONE, .frac = 255, .tags = NONE, .enum_pat = NONE};
     return js->n_nodes++;
 }
 
@@ -1618,6 +1620,10 @@ static bool lower_enum(comp *c, const bundle *b, const rudder_jv *where, uint32_
             js->nodes[id].rx[0] = rx;
             js->nodes[id].n_rx = 1;
             alts[(*n)++] = id;
+            c->enum_pats = rudder_grow(c->enum_pats, &c->cap_enum_pats, c->n_enum_pats + 1, sizeof(sbuf));
+            js->nodes[id].enum_pat = c->n_enum_pats;
+            c->enum_pats[c->n_enum_pats++] = strings;   /* (a tagged union's tag: see tagged_union) */
+            strings.buf = NULL;
         }
     }
     rudder_free(strings.buf);
@@ -2027,6 +2033,76 @@ static term_slot *term_slot_of(comp *c, conj x, uint32_t h) {
     return &c->terms[k];
 }
 
+/* The key of property `prop` of an object (its trie path: the key as generated, with its
+ * closing quote) into buf; its length, or 0 when longer than cap. */
+static uint32_t key_of(const rudder_js *js, const jnode *o, uint32_t prop, uint8_t *buf, uint32_t cap) {
+    uint32_t at = o->trie, n = 0;
+    while (js->trie[at].term != prop) {
+        uint32_t c = js->trie[at].child;
+        while (c != NONE && !ps_has(&js->trie[c].below, prop))
+            c = js->trie[c].sibling;
+        if (c == NONE || n == cap)
+            return 0;
+        buf[n++] = js->trie[c].byte;
+        at = c;
+    }
+    return n;
+}
+
+/* A union of objects that all start with the same required key whose value is an enum of
+ * strings (a tool call's "name", a tagged union's "type") becomes, in node `id`, one object
+ * that reads the key and the tag; at the tag's closing quote the thread goes on in the
+ * alternative whose tag it wrote (in each, if tags overlap). Without it every alternative is a
+ * thread until the tags differ: 128 tools cost 128 mask walks per step. The alternatives must
+ * allow nothing else before the tag: no extra keys, no dependentRequired, no maxProperties.
+ * Returns false (and changes nothing) for other unions. */
+static bool tagged_union(comp *c, uint32_t id, const uint32_t *alts, uint32_t n, const rudder_jv *where) {
+    rudder_js *js = c->js;
+    uint8_t key[256], other[256];
+    uint32_t len = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        const jnode *o = &js->nodes[alts[k]];
+        if (o->kind != K_OBJECT || !o->n || o->extra != NONE || o->n_rx || o->has_deps || o->max != NONE ||
+            o->min > o->n || !ps_has(&js->psets[o->sets], 0))
+            return false;
+        const jnode *v = &js->nodes[js->props[o->a].value];
+        if (v->kind != K_STRING || v->enum_pat == NONE || v->n_rx != 1 || v->n_neg || v->min || v->max != NONE)
+            return false;
+        uint32_t l = key_of(js, o, 0, k ? other : key, sizeof key);
+        if (!l || (k && (l != len || memcmp(key, other, l))))
+            return false;
+        len = l;
+    }
+    rudder_rx_pattern *pats = rudder_xalloc(n * sizeof *pats);
+    for (uint32_t k = 0; k < n; k++) {
+        const sbuf *p = &c->enum_pats[js->nodes[js->props[js->nodes[alts[k]].a].value].enum_pat];
+        pats[k] = (rudder_rx_pattern){p->buf, p->n, false};
+    }
+    char msg[160];
+    rudder_rx *rx = rudder_rx_new(pats, n, msg, sizeof msg);
+    rudder_free(pats);
+    uint32_t tag = rx ? new_node(c, where, K_STRING) : NONE;
+    if (tag == NONE)
+        return false;
+    js->nodes[tag].rx[0] = rx;
+    js->nodes[tag].n_rx = 1;
+    uint32_t prop = js->n_props;
+    js->props = rudder_grow(js->props, &js->cap_props, prop + 2, sizeof(jprop));
+    js->props[js->n_props++] = (jprop){tag, 0};
+    js->psets = rudder_grow(js->psets, &js->cap_psets, js->n_psets + 2, sizeof(pset));
+    memset(&js->psets[js->n_psets], 0, 2 * sizeof(pset));
+    ps_add(&js->psets[js->n_psets], 0);
+    jnode *t = &js->nodes[id];
+    *t = js->nodes[alts[0]];   /* its key trie: only the first key is ever in range */
+    t->a = prop;
+    t->n = 1;
+    t->min = 0;
+    t->sets = js->n_psets;
+    js->n_psets += 2;
+    t->tags = idx_add(js, alts, n);
+    return true;
+}
+
 /* The node of a conjunction of schema objects (memoized: recursion becomes a cycle). */
 static uint32_t lower(comp *c, conj x, const rudder_jv *where) {
     rudder_js *js = c->js;
@@ -2065,7 +2141,7 @@ static uint32_t lower(comp *c, conj x, const rudder_jv *where) {
             js->nodes[id].kind = K_NEVER;
         } else if (n == 1 && js->nodes[alts[0]].kind != K_PENDING) {
             js->nodes[id] = js->nodes[alts[0]];   /* the same node under this id */
-        } else {
+        } else if (!tagged_union(c, id, alts, n, at)) {
             js->nodes[id].kind = K_UNION;
             js->nodes[id].a = idx_add(js, alts, n);
             js->nodes[id].n = n;
@@ -2239,6 +2315,9 @@ rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t
     rudder_free(c.dnfs);
     rudder_free(c.terms);
     rudder_free(c.rxs);   /* (the regexes themselves stay: nodes use them) */
+    for (uint32_t i = 0; i < c.n_enum_pats; i++)
+        rudder_free(c.enum_pats[i].buf);
+    rudder_free(c.enum_pats);
     rudder_jv_free(doc);
     if (!ok)
         return NULL;   /* the request fails; its memory goes with it */

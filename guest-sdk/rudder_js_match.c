@@ -1013,6 +1013,39 @@ static int union_start(const rudder_js *js, thread *s, frame *f, const jnode *n,
     return taken == NONE ? DEAD : RETRY;
 }
 
+/* The tag of a tagged union is written (the top frame reads it; see tagged_union in
+ * rudder_js_compile.c): the thread goes on in the alternative whose tag pattern accepts, as
+ * if it had been that object from its start; each other one that accepts goes on in a copy. */
+static void tag_switch(const rudder_js *js, thread *s, uint32_t alt) {
+    frame *f = &s->f[s->sp - 1];
+    f->node = (uint16_t)alt;
+    uint32_t one = N(js, alt)->min ? 1 : 0;   /* written keys, counted as key_done would (max is NONE) */
+    f->aux2 = (f->aux2 & 0x3ffff) | one << 18;
+}
+
+static int tag_done(const rudder_js *js, thread *s, rudder_rx *rx, uint32_t state, tlist *split) {
+    const jnode *t = N(js, s->f[s->sp - 1].node);
+    const uint32_t *acc = rudder_rx_accept_set(rx, state);
+    uint32_t first = NONE, n = rudder_rx_n_patterns(rx);
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t alt = js->idx[t->tags + k];
+        if (!(acc[k >> 5] >> (k & 31) & 1u) || s->sp - 1 + N(js, alt)->need > RUDDER_JS_MAX_DEPTH)
+            continue;
+        if (first == NONE) {
+            first = alt;
+        } else if (split) {
+            thread copy;
+            tcopy(&copy, s);
+            tag_switch(js, &copy, alt);
+            tlist_add(split, &copy);
+        }
+    }
+    if (first == NONE)
+        return DEAD;
+    tag_switch(js, s, first);
+    return OK;
+}
+
 static int step(const rudder_js *js, thread *s, uint8_t b, tlist *split) {
     frame *f = &s->f[s->sp - 1];
     bool ws = js->flexible && (b == ' ' || b == '\n' || b == '\t' || b == '\r');
@@ -1080,8 +1113,9 @@ static int step(const rudder_js *js, thread *s, uint8_t b, tlist *split) {
     case K_STRING: {
         int r = str_byte(js, s, f->node, b);
         if (r == CLOSED) {
+            uint32_t state = s->rx[0];   /* (child_done resets the lexer) */
             child_done(js, s);
-            return OK;
+            return N(js, s->f[s->sp - 1].node)->tags != NONE ? tag_done(js, s, n->rx[0], state, split) : OK;
         }
         return r;
     }

@@ -64,6 +64,9 @@ typedef struct {
     uint32_t counting;   /* union: alternatives [0, counting) are items that match `contains` */
     bool has_deps;       /* object: some property has dependentRequired */
     char *path;          /* union: where it came from */
+    uint32_t tags;       /* object that reads a tagged union's tag: idx[tags + k] is the alternative whose
+                          * tag is pattern k of its first property's regex (NONE: not one) */
+    uint32_t enum_pat;   /* string from an enum (while compiling): its regex's source (NONE: other) */
     uint32_t first[8];   /* bytes a value can start with */
     uint32_t need;       /* frames a value needs at least (nesting): opened only where they fit */
 } jnode;

@@ -55,6 +55,26 @@ TAGGED = {"oneOf": [
      "required": ["kind", "w", "h"], "additionalProperties": False},
 ]}
 
+
+def _tag(kind, **props):   # one alternative of a tagged union: its tag first
+    return {"type": "object", "properties": {"kind": kind, **props}, "required": ["kind", *props], "additionalProperties": False}
+
+
+def _many_tools(n: int) -> dict:
+    """n tools named t0..t{n-1} (t1 is a prefix of t10..t19), with typed arguments; one more
+    tool whose name is an enum that overlaps another's (t3: either one's arguments)."""
+    kinds = [{"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "boolean"}, {"enum": ["lo", "hi"]}]
+    alts = [{"type": "object", "properties": {"name": {"const": f"t{i}"},
+                                              "arguments": {"type": "object", "properties": {f"a{i}": kinds[i % 4]},
+                                                            "required": [f"a{i}"], "additionalProperties": False}},
+             "required": ["name", "arguments"], "additionalProperties": False} for i in range(n)]
+    alts.append({"type": "object", "properties": {"name": {"enum": ["t3", "other"]}, "arguments": {"type": "null"}},
+                 "required": ["name", "arguments"], "additionalProperties": False})
+    return {"anyOf": alts}
+
+
+MANY_TOOLS = _many_tools(40)
+
 NULLABLE = {"type": "object", "properties": {
     "owner": {"anyOf": [{"$ref": "#/$defs/person"}, {"type": "null"}]},
     "backup": {"type": ["object", "null"], "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}},
@@ -90,6 +110,22 @@ CASES = {
                             ['{"math.area":{"w":1}}', '{"math.area_box":{"w":1}}']),
     "tagged union": (TAGGED, ['{"kind":"circle","radius":1.5}', '{"kind":"rect","w":2,"h":3}'],
                      ['{"kind":"circle","side":1}', '{"kind":"rect","w":2.5,"h":3}', '{"kind":"square","side":0}']),
+    "many tools": (MANY_TOOLS, ['{"name":"t1","arguments":{"a1":5}}', '{"name":"t12","arguments":{"a12":"x"}}',
+                                '{"name":"t3","arguments":{"a3":"hi"}}', '{"name":"t3","arguments":null}', '{"name":"other","arguments":null}'],
+                   ['{"name":"t1","arguments":{"a12":"x"}}', '{"name":"t12","arguments":{"a1":5}}', '{"name":"t4","arguments":null}',
+                    '{"name":"t40","arguments":{}}', '{"name":"t","arguments":{}}']),
+    "tags that overlap": ({"anyOf": [_tag({"const": "a"}, x={"type": "integer"}), _tag({"enum": ["a", "b"]}, y={"type": "string"})]},
+                          ['{"kind":"a","x":1}', '{"kind":"a","y":"s"}', '{"kind":"b","y":"s"}'], ['{"kind":"b","x":1}', '{"kind":"c","y":"s"}']),
+    "tags that are prefixes": ({"anyOf": [_tag({"const": "get"}, x={"type": "integer"}), _tag({"const": "get_all"}, y={"type": "integer"})]},
+                               ['{"kind":"get","x":1}', '{"kind":"get_all","y":2}'], ['{"kind":"get","y":1}', '{"kind":"ge","x":1}']),
+    "a tag after another key": ({"anyOf": [{**_tag({"const": "a"}), "properties": {"id": {"type": "integer"}, "kind": {"const": "a"}}, "required": ["id", "kind"]},
+                                           {**_tag({"const": "b"}), "properties": {"id": {"type": "string"}, "kind": {"const": "b"}}, "required": ["id", "kind"]}]},
+                                ['{"id":1,"kind":"a"}', '{"id":"1","kind":"b"}'], ['{"id":1,"kind":"b"}']),
+    "tags with extra keys allowed": ({"anyOf": [{"type": "object", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+                                                {"type": "object", "properties": {"kind": {"const": "b"}, "n": {"type": "integer"}}, "required": ["kind", "n"]}]},
+                                     ['{"kind":"a","z":[1]}', '{"kind":"b","n":1,"z":2}'], ['{"kind":"b","z":2}', '{"kind":"c"}']),
+    "a tagged union in an array": ({"type": "array", "items": TAGGED},
+                                   ['[{"kind":"circle","radius":1},{"kind":"rect","w":1,"h":2}]', "[]"], ['[{"kind":"circle","w":1}]']),
     "nullable objects": (NULLABLE, ['{"owner":null,"backup":null}', '{"owner":{"name":"Al","age":3},"backup":{"name":"B"}}'],
                          ['{"owner":{},"backup":null}', '{"owner":null,"backup":{"age":1}}']),
     "allOf merged": (ALL_OF, ['{"id":5,"name":"x"}', '{"id":99,"tags":["a"],"name":"y"}'],
@@ -226,6 +262,8 @@ def _inst(s, r, depth, root):
         t = r.choice(t if depth < 3 else [x for x in t if x == "null"] or t)
     if t == "null":
         return None
+    if t == "boolean":
+        return r.random() < 0.5
     if t == "object":
         out = {}
         for k, sub in s.get("properties", {}).items():
@@ -243,7 +281,7 @@ def _inst(s, r, depth, root):
     raise AssertionError(s)
 
 
-SHAPES = {"tools": TOOLS, "tools keyed by name": TOOLS_BY_KEY, "tagged": TAGGED, "nullable": NULLABLE,
+SHAPES = {"tools": TOOLS, "many tools": MANY_TOOLS, "tools keyed by name": TOOLS_BY_KEY, "tagged": TAGGED, "nullable": NULLABLE,
           "recursive": RECURSIVE, "linked": LINKED}
 
 
