@@ -11,7 +11,7 @@ from rudder import LLM, SamplingParams
 
 def test_the_default_draft_is_the_quantized_model_and_greedy_is_unchanged():
     llm = LLM("tiny")
-    assert llm.engine.draft_model == "int8"
+    assert llm.engine.config.draft_model == "int8"
     greedy = dict(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompts = ["hello", "a b c a b c"]
     plain = llm.generate(prompts, SamplingParams(**greedy))

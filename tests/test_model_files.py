@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from rudder import fsutil, model_files, weights
+from rudder import fsutil, model_files, paths, weights
 from rudder.config import TINY_CONFIG, ModelConfig
 from rudder.errors import ModelFetchError, ModelLoadError
 from rudder.gguf_convert import unpermute_rope
 from rudder.tokenizer import Tokenizer, byte_to_unicode
-from rudder.weights import expected_shapes, load_checkpoint
+from rudder.model import expected_shapes
+from rudder.weights import load_checkpoint
 
 
 @pytest.fixture
@@ -38,10 +39,10 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def test_rudder_home(monkeypatch, tmp_path):
     monkeypatch.setenv("RUDDER_HOME", str(tmp_path))
-    assert model_files.rudder_home() == tmp_path
+    assert paths.rudder_home() == tmp_path
     assert model_files.gguf_path() == tmp_path / "models" / "smollm2-135m-instruct" / model_files.GGUF_NAME
     monkeypatch.delenv("RUDDER_HOME")
-    assert str(model_files.rudder_home()).endswith(".cache/rudder")
+    assert str(paths.rudder_home()).endswith(".cache/rudder")
 
 
 def test_atomic_path_leaves_nothing_on_error(tmp_path):

@@ -49,7 +49,7 @@ def test_prompt_logits_match(llm, hf_model):
         req = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, logprobs=0))
         logits = {}
         run = engine.runner.run
-        engine.runner.run = lambda batch: logits.setdefault("x", run(batch))
+        engine.runner.run = lambda batch, *args: logits.setdefault("x", run(batch, *args))
         try:
             engine.step()
         finally:

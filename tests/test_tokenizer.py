@@ -126,7 +126,8 @@ def test_stream_never_splits_a_character(text, rnd):
         pos += step
     deltas.append(dec.flush())
     for d in deltas:
-        assert "\ufffd" not in d  # the input is valid UTF-8: no partial character leaked
+        # the input is valid UTF-8: no partial character leaked as U+FFFD (unless the text has one)
+        assert d.count("\ufffd") <= text.count("\ufffd")
         d.encode("utf-8")  # and every delta is a well-formed string
     assert "".join(deltas) == tok.decode(ids) == text
 

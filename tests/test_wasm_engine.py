@@ -26,12 +26,10 @@ HOSTILE = {
         (block $oom (loop $l (br_if $oom (i32.eq (memory.grow (i32.const 1)) (i32.const -1))) (br $l)))
         (i32.load (i32.const 0x7fffffff))"""), b"", "oom"),
     # the same in steps of 16 pages: the last grow that fails leaves memory 14 pages short of the limit
-    "memory bomb in big steps": pytest.param(
+    "memory bomb in big steps": (
         controller_wat(mid="""
         (block $oom (loop $l (br_if $oom (i32.eq (memory.grow (i32.const 16)) (i32.const -1))) (br $l)))
-        (i32.load (i32.const 0x7fffffff))"""), b"", "oom", marks=pytest.mark.xfail(strict=True, reason=(
-            "product bug: a trap after memory.grow was refused is kind 'trap', not 'oom', unless memory is "
-            "within one page of the limit (controller/instance.py _call_error checks size + one page > limit)"))),
+        (i32.load (i32.const 0x7fffffff))"""), b"", "oom"),
 }
 
 
