@@ -170,8 +170,13 @@ static bool int_hits(const jnode *n, bool neg, double a, double b) {
             h--;
         hi = h < hi ? h : hi;
     }
-    int64_t first = lo >= 0 ? (lo + m - 1) / m * m : -((-lo) / m * m);   /* the first multiple >= lo */
-    return lo <= hi && first <= hi;
+    if (lo > hi)
+        return false;
+    /* The first multiple >= lo, in unsigned arithmetic: |lo| < 10^16 and m > 0, so nothing
+     * overflows (and a signed product would need a 128-bit overflow check under UBSan). */
+    uint64_t um = (uint64_t)m;
+    int64_t first = lo >= 0 ? (int64_t)(((uint64_t)lo + um - 1) / um * um) : -(int64_t)((uint64_t)(-lo) / um * um);
+    return first <= hi;
 }
 
 /* Can the number read so far still end inside the bounds? s->num holds all its digits as an
