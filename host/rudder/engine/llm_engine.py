@@ -308,7 +308,9 @@ class Engine:
         if block:
             wait_futures([late.call for late in self._late.values()], timeout=1.0, return_when=FIRST_COMPLETED)
         for seq_id in [i for i, late in self._late.items() if late.call.done()]:
-            late = self._late.pop(seq_id)
+            late = self._late.pop(seq_id, None)
+            if late is None:  # an earlier answer in this loop ended its request (its forks too)
+                continue
             seq = late.seq
             answer, secs = late.call.result()
             seq.request.usage.controller_s += secs
