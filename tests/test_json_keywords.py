@@ -298,7 +298,7 @@ def test_every_valid_document_of_a_shape_is_allowed(rt, module, byte_tok, name, 
 @pytest.mark.parametrize("name", list(SHAPES) + ["allOf merged"])
 def test_what_a_random_model_writes_validates(name):
     """Random weights sample wildly: whatever completes validates."""
-    from rudder import LLM, SamplingParams
+    from rudder import SamplingParams
 
     schema = SHAPES.get(name) or ALL_OF
     llm = _tiny()
@@ -334,13 +334,29 @@ def _tiny():
               "Answer with the tool call as JSON."),
     ("tagged", "Describe a shape (a circle, a square or a rectangle) as JSON."),
 ])
-def test_smollm2_writes_valid_calls_for_ten_seeds(name, prompt):
-    from rudder import LLM, SamplingParams
+def test_smollm2_writes_valid_calls_for_ten_seeds(tmp_path, name, prompt):
+    """`rudder run --controller json` on SmolLM2, ten seeds: seed 0 as a real command (its own
+    process), seeds 1-9 through the same CLI function in this process (typer's runner), which
+    spares nine model loads. Every output is one complete document valid against the schema."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    schema = SHAPES[name]
-    llm = LLM("smollm2")
-    params = [SamplingParams(max_tokens=120, seed=s, temperature=0.8) for s in range(10)]
-    outs = llm.generate([prompt] * len(params), params, chat=True, controller="json", controller_arg=json.dumps(schema))
-    for out in outs:
-        assert out.error is None and out.finish_reason != "length", (out.error, out.text)
-        jsonschema.validate(json.loads(out.text), schema)
+    from typer.testing import CliRunner
+
+    from rudder.cli import app
+
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SHAPES[name]))
+    argv = ["run", "--controller", "json", "--arg", f"@{path}", "--chat", "--max-tokens", "120", "--temperature", "0.8"]
+    proc = subprocess.run([sys.executable, "-m", "rudder.cli", *argv, "--seed", "0", prompt], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    texts = [proc.stdout]
+    runner = CliRunner()
+    for seed in range(1, 10):
+        out = runner.invoke(app, [*argv, "--seed", str(seed), prompt])
+        assert out.exit_code == 0, out.output
+        texts.append(out.stdout)
+    for text in texts:
+        jsonschema.validate(json.loads(text), SHAPES[name])   # a document cut by max_tokens would not parse
