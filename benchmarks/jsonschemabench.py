@@ -4,6 +4,7 @@ and outlines-core, on the same files in one run.
     .venv/bin/python benchmarks/jsonschemabench.py [--data ../shared/jsonschemabench]
         [--engines ours,llguidance,xgrammar,outlines] [--timeout 20] [--only PREFIX,...]
         [--limit N] [--json benchmarks/results/jsonschemabench.json] [--plot jsonschemabench.png]
+        [--resume]
 
 The data: JSONSchemaBench files in MaskBench's format, `{"schema", "tests": [{"data", "valid"}]}`
 (the default folder is `../shared/jsonschemabench` from the repository root). A file's source
@@ -33,6 +34,10 @@ backtrack (caches stay warm, as the peers' `reset()`). llguidance: `LLMatcher` w
 (`any_whitespace`, compact separators), `GrammarMatcher.fill_next_token_bitmask`.
 outlines-core: `build_regex_from_schema` (whitespace pattern `""` or `[ \\t\\n\\r]*`), `Index`,
 `Guide.write_mask_into`. Consuming a token is not timed for the peers.
+
+A full run takes hours (the peers' slow compiles and timeouts). With `--json`, the records so
+far are saved every 50 files (`"partial": true`, the mask times beside it in `FILE.masks.npz`);
+`--resume` goes on from such a checkpoint of the same files, engines and timeout.
 
 The machine is shared and noisy: compare engines within one run.
 """
@@ -441,6 +446,43 @@ def plot(summary: dict, masks: dict[str, np.ndarray], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def save_checkpoint(path: Path, files: list[str], data: Path, timeout: float, records: dict, masks: dict,
+                    done: int) -> None:
+    """The records of the first `done` files, and their mask times (one array per engine, with
+    the count per file), written beside each other; each file is replaced whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for e, per_file in masks.items():
+        arrays[f"{e}.us"] = np.concatenate(per_file) if per_file else np.zeros(0, np.float32)
+        arrays[f"{e}.n"] = np.asarray([m.size for m in per_file], dtype=np.int64)
+    tmp = path.with_name(path.name + ".masks.tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path.with_name(path.name + ".masks.npz"))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"partial": True, "done": done, "files": len(files), "file_names": files,
+                               "data": str(data), "timeout_s": timeout, "engines": list(records),
+                               "records": records}) + "\n")
+    tmp.replace(path)
+
+
+def load_checkpoint(path: Path, files: list[str], engines: list[str], timeout: float):
+    """(records, masks, done) from a checkpoint of this very run (same files, engines, timeout)."""
+    d = json.loads(path.read_text())
+    if not d.get("partial"):
+        raise SystemExit(f"{path} is not a checkpoint (a finished run, or another file)")
+    if d["file_names"] != files or d["engines"] != engines or d["timeout_s"] != timeout:
+        raise SystemExit(f"{path} is a checkpoint of other files, engines or timeout")
+    done = d["done"]
+    arrays = np.load(path.with_name(path.name + ".masks.npz"))
+    masks = {}
+    for e in engines:
+        counts = arrays[f"{e}.n"]
+        if len(counts) != done:
+            raise SystemExit(f"{path}: the mask times do not match the records")
+        masks[e] = list(np.split(arrays[f"{e}.us"], np.cumsum(counts)[:-1])) if done else []
+    return d["records"], masks, done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -450,7 +492,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="the first N files (after --only)")
     ap.add_argument("--json", type=Path, help="write the summary and per-schema records here")
     ap.add_argument("--plot", type=Path, help="draw passing per subset and mask times (PNG)")
+    ap.add_argument("--resume", action="store_true", help="go on from the checkpoint in --json")
     args = ap.parse_args()
+    if args.resume and not args.json:
+        ap.error("--resume needs --json (the checkpoint)")
     engines = args.engines.split(",")
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
@@ -471,9 +516,15 @@ def main() -> None:
             del workers[e]
     records = {e: {} for e in workers}
     masks = {e: [] for e in workers}
+    done = 0
+    if args.resume:
+        records, masks, done = load_checkpoint(args.json, files, list(workers), args.timeout)
+        print(f"resuming after {done} files", file=sys.stderr, flush=True)
     t_start = time.perf_counter()
     try:
         for i, f in enumerate(files):
+            if i < done:
+                continue
             for e, w in workers.items():
                 r = w.run(f, args.timeout)
                 m = np.asarray(r.pop("mask_us", []), dtype=np.float32)
@@ -486,6 +537,8 @@ def main() -> None:
                                  for e in workers)
                 print(f"[{i + 1}/{len(files)} files, {time.perf_counter() - t_start:.0f} s] compiled: {line}",
                       file=sys.stderr, flush=True)
+            if args.json and (i + 1) % 50 == 0 and i + 1 < len(files):
+                save_checkpoint(args.json, files, args.data, args.timeout, records, masks, i + 1)
     finally:
         for w in workers.values():
             w.close()
