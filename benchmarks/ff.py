@@ -36,10 +36,12 @@ SCHEMA = {
             "type": "object",
             "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
             "required": ["city", "country"],
+            "additionalProperties": False,
         },
         "married": {"type": "boolean"},
     },
     "required": ["name", "age", "occupation", "address", "married"],
+    "additionalProperties": False,   # extra keys are allowed by default (JSON Schema): close both objects
 }
 
 DOCS = [

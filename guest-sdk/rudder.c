@@ -416,6 +416,20 @@ const rudder_trie *rudder_trie_get(void) {
     return &T.view;
 }
 
+uint32_t rudder_trie_node(const uint8_t *bytes, uint32_t len) {
+    const uint32_t *nodes = rudder_trie_get()->nodes;
+    uint32_t at = 0;
+    for (uint32_t k = 0; k < len; k++) {   /* the children of node i lie in (i, i + size) */
+        uint32_t c = at + 1, end = at + nodes[2 * at + 1];
+        while (c < end && (uint8_t)nodes[2 * c] != bytes[k])
+            c += nodes[2 * c + 1];
+        if (c >= end)
+            return 0;
+        at = c;
+    }
+    return at;
+}
+
 /* ------------------------------------------------------------------ building the answer */
 
 static void out_reset(rudder_out *out) {

@@ -184,16 +184,20 @@ typedef struct rudder_trie {
 } rudder_trie;
 const rudder_trie *rudder_trie_get(void);
 
-/* Returns the number of tokens allowed by this walk. Inline, so that a recognizer known at
- * compile time (e.g. a static const rudder_recognizer) is inlined into the loop. */
-static inline uint32_t rudder_trie_fill_mask(uint32_t *mask, const rudder_recognizer *r, uint32_t state) {
+/* The walk over the trie nodes [first, end): a forest of whole subtrees (the root's children
+ * are [1, n_nodes); node i's children are [i + 1, i + subtree size)), each node's byte pushed
+ * from `state` (a node in the range is at depth 1). Returns the number of tokens allowed.
+ * Inline, so that a recognizer known at compile time (e.g. a static const rudder_recognizer)
+ * is inlined into the loop. */
+static inline uint32_t rudder_trie_fill_range(uint32_t *mask, const rudder_recognizer *r, uint32_t state,
+                                              uint32_t first, uint32_t end) {
     const rudder_trie *t = rudder_trie_get();
     const uint32_t *nodes = t->nodes;
     uint32_t *ends = t->ends, *states = t->states;
-    uint32_t n = t->n_nodes, depth = 0, count = 0, i = 1;
-    ends[0] = n;
+    uint32_t depth = 0, count = 0, i = first;
+    ends[0] = end;
     states[0] = state;
-    while (i < n) {
+    while (i < end) {
         while (i >= ends[depth])
             depth--;
         uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1];
@@ -215,6 +219,14 @@ static inline uint32_t rudder_trie_fill_mask(uint32_t *mask, const rudder_recogn
     }
     return count;
 }
+
+/* Every token of the vocabulary: the walk over the whole trie. */
+static inline uint32_t rudder_trie_fill_mask(uint32_t *mask, const rudder_recognizer *r, uint32_t state) {
+    return rudder_trie_fill_range(mask, r, state, 1, rudder_trie_get()->n_nodes);
+}
+
+/* The trie node that spells `bytes` (0: none; a node need not carry a token). */
+uint32_t rudder_trie_node(const uint8_t *bytes, uint32_t len);
 
 /* ------------------------------------------------------------------------------------------
  * Host services.

@@ -1152,6 +1152,60 @@ uint32_t rudder_gm_forced(rudder_grammar *g, uint8_t *dst, uint32_t cap) {
     return n;
 }
 
+/* ------------------------------------------------------------------ the engine for the token layer */
+
+typedef struct {
+    rudder_grammar *g;
+    rudder_gm_pos *pos;   /* checkpoints */
+    uint32_t n, cap;
+} gm_engine;
+
+static bool e_push(void *self, const uint8_t *bytes, uint32_t n) { return rudder_gm_push(((gm_engine *)self)->g, bytes, n); }
+
+static uint32_t e_save(void *self) {
+    gm_engine *e = self;
+    e->pos = rudder_grow(e->pos, &e->cap, e->n + 1, sizeof *e->pos);
+    e->pos[e->n] = rudder_gm_save(e->g);
+    return e->n++;
+}
+
+static void e_restore(void *self, uint32_t cp) {
+    gm_engine *e = self;
+    rudder_gm_restore(e->g, e->pos[cp]);
+    e->n = cp + 1;
+}
+
+static bool e_accepting(void *self) { return rudder_gm_accepting(((gm_engine *)self)->g); }
+
+static uint32_t e_walk(void *self, uint32_t *mask, uint32_t first, uint32_t end) {
+    rudder_grammar *g = ((gm_engine *)self)->g;
+    if (first == 1 && end == rudder_trie_get()->n_nodes)
+        return rudder_gm_fill_mask(g, mask);
+    drop_tentative(g);
+    uint32_t L = lexer_now(g);
+    if (L != RUDDER_DEAD)
+        walk_range(g, mask, first, end, L, g->n_real - 1);
+    drop_tentative(g);
+    return rudder_mask_count(mask);
+}
+
+static uint32_t e_forced(void *self, uint8_t *dst, uint32_t cap) { return rudder_gm_forced(((gm_engine *)self)->g, dst, cap); }
+
+static uint32_t e_key(void *self, uint8_t *dst, uint32_t cap) {
+    (void)self, (void)dst, (void)cap;
+    return 0;
+}
+
+rudder_engine rudder_gm_engine(rudder_grammar *g) {
+    gm_engine *e = rudder_zalloc(sizeof *e);
+    if (!e)
+        rudder_panic("grammar: out of memory");
+    e->g = g;
+    return (rudder_engine){.name = "grammar", .what = "a sentence of the grammar", .self = e, .push = e_push,
+                           .save = e_save, .restore = e_restore, .accepting = e_accepting, .walk = e_walk,
+                           .forced = e_forced, .key = e_key};
+}
+
 /* ------------------------------------------------------------------ compile */
 
 void rudder_gm_free(rudder_grammar *g) {

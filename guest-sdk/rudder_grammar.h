@@ -17,6 +17,7 @@
 #define RUDDER_GRAMMAR_H
 
 #include "rudder.h"
+#include "rudder_constraint.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -56,6 +57,10 @@ uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask);
 /* The bytes that must come next whatever the continuation (a keyword with no alternative...):
  * writes up to cap of them to dst and returns how many. Stops where the input could end. */
 uint32_t rudder_gm_forced(rudder_grammar *g, uint8_t *dst, uint32_t cap);
+
+/* The grammar as an engine for the token layer (rudder_constraint.h), from the parse's current
+ * position. Positions have no key: the parser caches what it can itself. */
+rudder_engine rudder_gm_engine(rudder_grammar *g);
 
 /* Sizes, for logs and tests. */
 uint32_t rudder_gm_n_terminals(const rudder_grammar *g);

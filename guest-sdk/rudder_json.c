@@ -356,10 +356,34 @@ static bool value(dom *d, rudder_jv *v) {
     }
 }
 
+/* Room for the values and keys of a text, from one scan outside strings: a value is the root
+ * or follows '[', ',' or ':'; a key follows ':'. (A bad text may need less: it fails anyway.) */
+static void count_room(const uint8_t *s, uint32_t len, size_t *vals, size_t *keys) {
+    size_t v = 2, k = 1;
+    bool in_string = false;
+    for (uint32_t i = 0; i < len; i++) {
+        uint8_t c = s[i];
+        if (in_string) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_string = false;
+        } else if (c == '"') {
+            in_string = true;
+        } else if (c == '[' || c == ',' || c == ':') {
+            v++;
+            k += c == ':';
+        }
+    }
+    *vals = v;
+    *keys = k;
+}
+
 rudder_jv *rudder_jv_parse(const char *text, uint32_t len, char *err, uint32_t cap) {
     const uint8_t *start = (const uint8_t *)text;
-    size_t n_vals = (size_t)len + 1;
-    size_t size = n_vals * sizeof(rudder_jv) + n_vals * sizeof(rudder_str) + 2 * (size_t)len + 8;
+    size_t n_vals, n_keys;
+    count_room(start, len, &n_vals, &n_keys);
+    size_t size = n_vals * sizeof(rudder_jv) + n_keys * sizeof(rudder_str) + 2 * (size_t)len + 8;
     dom d = {.ps = {start, start + len, NULL}, .start = start};
     d.block = rudder_zalloc(size);
     bool ok = d.block != NULL;
@@ -369,7 +393,7 @@ rudder_jv *rudder_jv_parse(const char *text, uint32_t len, char *err, uint32_t c
     if (ok) {
         d.vals = root + 1;
         d.keys = (rudder_str *)(root + n_vals);
-        d.bytes = (uint8_t *)(d.keys + n_vals);
+        d.bytes = (uint8_t *)(d.keys + n_keys);
         skip_ws(&d.ps);
         ok = value(&d, root);
         skip_ws(&d.ps);

@@ -526,6 +526,12 @@ typedef struct nfa_state {
     uint32_t out, out2;        /* S_BYTE: out; S_SPLIT: out, out2 (NONE: absent); S_MATCH: out = pattern */
 } nfa_state;
 
+typedef struct state_extra {
+    uint32_t *mask;
+    uint32_t live[8];
+    bool has_live;
+} state_extra;
+
 struct rudder_rx {
     rudder_rx_dfa dfa;         /* first: the inline rudder_rx_push reads it */
     uint32_t n_patterns, n_words;
@@ -542,7 +548,7 @@ struct rudder_rx {
     uint32_t **accept, **alive;
     uint8_t *flags;
     int16_t *forced;
-    uint32_t **masks;
+    struct state_extra **extra;   /* per state, built on use: its mask, the bytes that keep it alive */
     uint32_t *table;           /* hash table of state ids (NONE: empty) */
     uint32_t table_cap;
     uint32_t start_all;
@@ -808,7 +814,7 @@ static uint32_t intern(rudder_rx *rx, uint32_t n) {
         cap = rx->cap_dfa;
         rx->forced = rudder_grow(rx->forced, &cap, id + 1, sizeof(int16_t));
         cap = rx->cap_dfa;
-        rx->masks = rudder_grow(rx->masks, &cap, id + 1, sizeof(uint32_t *));
+        rx->extra = rudder_grow(rx->extra, &cap, id + 1, sizeof(struct state_extra *));
         rx->cap_dfa = cap;
     }
     if ((id + 1) * nc > rx->cap_next) {
@@ -841,7 +847,7 @@ static uint32_t intern(rudder_rx *rx, uint32_t n) {
     rx->alive[id] = alv;
     rx->flags[id] = flags;
     rx->forced[id] = -2;
-    rx->masks[id] = NULL;
+    rx->extra[id] = NULL;
     if (2 * rx->n_dfa > rx->table_cap) {   /* rehash at half load */
         rudder_free(rx->table);
         rx->table_cap *= 2;
@@ -977,7 +983,8 @@ void rudder_rx_free(rudder_rx *rx) {
     if (!rx)
         return;
     for (uint32_t i = 0; i < rx->n_dfa; i++)
-        rudder_free(rx->masks[i]);
+        if (rx->extra[i])
+            rudder_free(rx->extra[i]->mask), rudder_free(rx->extra[i]);
     rudder_free(rx->dfa.next);
     rudder_free(rx->nfa);
     rudder_free(rx->pattern_start);
@@ -988,7 +995,7 @@ void rudder_rx_free(rudder_rx *rx) {
     rudder_free(rx->alive);
     rudder_free(rx->flags);
     rudder_free(rx->forced);
-    rudder_free(rx->masks);
+    rudder_free(rx->extra);
     rudder_free(rx->table);
     rudder_free(rx->mark);
     rudder_free(rx->stack);
@@ -1054,17 +1061,102 @@ uint32_t rudder_rx_fill_mask(rudder_rx *rx, uint32_t state, uint32_t *mask) {
     return rudder_trie_fill_mask(mask, &r, state);
 }
 
+static state_extra *extra_of(rudder_rx *rx, uint32_t state) {
+    if (!rx->extra[state]) {
+        rx->extra[state] = rudder_zalloc(sizeof(state_extra));
+        if (!rx->extra[state])
+            rudder_panic("regex: out of memory");
+    }
+    return rx->extra[state];
+}
+
 const uint32_t *rudder_rx_mask(rudder_rx *rx, uint32_t state) {
     if (!valid(rx, state))
         return NULL;
-    if (!rx->masks[state]) {
+    if (!rx->extra[state] || !rx->extra[state]->mask) {
         uint32_t *m = rudder_mask_new();
         if (!m)
             rudder_panic("regex: out of memory");
         rudder_rx_fill_mask(rx, state, m);
-        rx->masks[state] = m;   /* after the walk: it may add states (and move rx->masks) */
+        extra_of(rx, state)->mask = m;   /* after the walk: it may add states (and move rx->extra) */
     }
-    return rx->masks[state];
+    return rx->extra[state]->mask;
+}
+
+const uint32_t *rudder_rx_live_bytes(rudder_rx *rx, uint32_t state) {
+    if (!valid(rx, state))
+        return NULL;
+    if (!rx->extra[state] || !rx->extra[state]->has_live) {
+        uint32_t set[8] = {0}, done[8] = {0};
+        for (uint32_t b = 0; b < 256; b++) {   /* one push per byte class */
+            uint8_t cls = rx->dfa.classes[b];
+            if ((done[cls >> 5] >> (cls & 31)) & 1)
+                continue;
+            done[cls >> 5] |= 1u << (cls & 31);
+            if (rudder_rx_push(rx, state, (uint8_t)b) != RUDDER_DEAD)
+                for (uint32_t x = b; x < 256; x++)
+                    if (rx->dfa.classes[x] == cls)
+                        set[x >> 5] |= 1u << (x & 31);
+        }
+        state_extra *e = extra_of(rx, state);   /* after the pushes: they may add states */
+        memcpy(e->live, set, sizeof set);
+        e->has_live = true;
+    }
+    return rx->extra[state]->live;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The engine for the token layer.
+ * ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    rudder_rx *rx;
+    uint32_t state;
+} rx_engine;
+
+static bool e_push(void *self, const uint8_t *bytes, uint32_t n) {
+    rx_engine *e = self;
+    uint32_t s = rudder_rx_push_bytes(e->rx, e->state, bytes, n);
+    if (s == RUDDER_DEAD)
+        return false;
+    e->state = s;
+    return true;
+}
+
+static uint32_t e_save(void *self) { return ((rx_engine *)self)->state; }
+static void e_restore(void *self, uint32_t cp) { ((rx_engine *)self)->state = cp; }
+static bool e_accepting(void *self) { return rudder_rx_accepting(((rx_engine *)self)->rx, ((rx_engine *)self)->state); }
+
+static uint32_t e_walk(void *self, uint32_t *mask, uint32_t first, uint32_t end) {
+    rx_engine *e = self;
+    const rudder_recognizer r = {.push = push_cb, .self = e->rx};
+    return rudder_trie_fill_range(mask, &r, e->state, first, end);
+}
+
+static uint32_t e_forced(void *self, uint8_t *dst, uint32_t cap) {
+    rx_engine *e = self;
+    uint32_t s = e->state, n = 0;
+    int32_t b;
+    while (n < cap && (b = rudder_rx_forced_byte(e->rx, s)) >= 0) {
+        dst[n++] = (uint8_t)b;
+        s = rudder_rx_push(e->rx, s, (uint8_t)b);
+    }
+    return n;
+}
+
+static uint32_t e_key(void *self, uint8_t *dst, uint32_t cap) {
+    if (cap >= 4)
+        memcpy(dst, &((rx_engine *)self)->state, 4);
+    return 4;
+}
+
+rudder_engine rudder_rx_engine(rudder_rx *rx) {
+    rx_engine *e = rudder_xalloc(sizeof *e);
+    e->rx = rx;
+    e->state = rudder_rx_start(rx, NULL);
+    return (rudder_engine){.name = "regex", .what = "the match", .self = e, .push = e_push, .save = e_save,
+                           .restore = e_restore, .accepting = e_accepting, .walk = e_walk, .forced = e_forced,
+                           .key = e_key};
 }
 
 uint32_t rudder_rx_escape(const char *text, uint32_t len, char *dst, uint32_t cap) {

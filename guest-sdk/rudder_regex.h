@@ -18,6 +18,7 @@
 #define RUDDER_REGEX_H
 
 #include "rudder.h"
+#include "rudder_constraint.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -82,6 +83,12 @@ int32_t rudder_rx_forced_byte(rudder_rx *rx, uint32_t state);
 uint32_t rudder_rx_fill_mask(rudder_rx *rx, uint32_t state, uint32_t *mask);
 /* The same mask, computed once per state and cached (valid until rudder_rx_free). */
 const uint32_t *rudder_rx_mask(rudder_rx *rx, uint32_t state);
+/* The bytes that keep `state` alive, a 256-bit set (8 words), cached per state. */
+const uint32_t *rudder_rx_live_bytes(rudder_rx *rx, uint32_t state);
+
+/* The regex as an engine for the token layer (rudder_constraint.h): a whole match of its
+ * patterns from the start state; positions are DFA states (their own checkpoints and keys). */
+rudder_engine rudder_rx_engine(rudder_rx *rx);
 
 /* Escape `len` bytes so that they match literally inside a pattern; writes up to cap bytes to
  * dst and returns the full length needed. */

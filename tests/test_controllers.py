@@ -479,6 +479,7 @@ AGREEMENT_CASES = [
     ("json", '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yes"]}}, '
              '"required": ["a", "b"]}'),
     ("grammar", 'start: "(" WORD ")" | WORD\nWORD: /[a-z]+/\n'),
+    ("triggers", '{"triggers": [{"begin": "<", "regex": "[0-9]+", "end": ">"}, {"begin": "{", "json": {"enum": ["a", 1]}}]}'),
     ("state", ""),
 ]
 
@@ -506,7 +507,8 @@ def test_the_mini_host_agrees_with_the_sandbox(tok, name, arg, tmp_path):
         rt = make_runtime(kind, tok)
         module = rt.load(wasm)
         steps: list = []
-        pick = adversary(tok, b"It is a very very nice day") if name == "backtrack" else seeded(11)
+        pick = adversary(tok, b"It is a very very nice day") if name == "backtrack" else \
+            adversary(tok, b"Try <12> or {1, <7>", 5) if name == "triggers" else seeded(11)
         seqs = run_request(rt, module, arg, prompt_of(tok), pick, max_tokens=40, max_steps=400,
                            on_step=_record(tok, steps))
         runs[kind] = (steps, [(s.tokens, s.finish, s.history) for s in seqs], seqs[0].ctl.log_text())

@@ -478,7 +478,7 @@ def test_a_token_outside_the_constraint_fails_clearly(smol_rt, regex_module, smo
     [x] = smollm2_tokenizer.encode("x")
     with pytest.raises(ControllerError) as exc:
         ctl.mid_process(0, 0, [x])
-    assert f"token {x} (x) after 0 generated tokens cannot continue the match" in exc.value.log_tail
+    assert f"token {x} (x) after 0 generated tokens does not continue the match" in exc.value.log_tail
     ctl.close()
 
 

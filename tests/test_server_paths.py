@@ -245,7 +245,9 @@ def test_run_with_messages_is_the_chat_template(server):
 # -- OpenAI endpoints: constraints -------------------------------------------------------------
 
 CHAT = [{"role": "user", "content": "Answer."}]
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok"]}
+# closed: an absent additionalProperties allows extra keys, which random weights never end
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok"],
+          "additionalProperties": False}
 GRAMMAR = 'start: "yes" | "no" | NUMBER\nNUMBER: /[0-9]{1,3}/\n'
 
 

@@ -21,9 +21,10 @@ def llm():
         yield model
 
 
+# closed: an absent additionalProperties allows extra keys, which random weights never end
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                "maximum": 99}},
-          "required": ["ok", "n"]}
+          "required": ["ok", "n"], "additionalProperties": False}
 
 
 def test_each_structured_field_constrains_the_output(llm):

@@ -169,6 +169,51 @@ def test_a_late_controllers_request_can_be_cancelled(llm):
     assert not eng.has_unfinished() and eng.block_manager.num_free == eng.block_manager.num_blocks
 
 
+class ForkThenFail:
+    """Forks into two sequences on its first call; both forks' next calls block until released,
+    then raise (shared state: one controller, two cursors)."""
+
+    def __init__(self, release: threading.Event, state=None):
+        self.release, self.state = release, state if state is not None else {"calls": 0}
+
+    def mid_process(self, branch_idx, backtrack, tokens):
+        self.state["calls"] += 1
+        if self.state["calls"] == 1:
+            return [Branch(), Branch()]
+        assert self.release.wait(60)
+        raise RuntimeError("the controller gave up")
+
+    def fork(self):
+        return ForkThenFail(self.release, self.state)
+
+    def close(self):
+        pass
+
+
+def test_late_forks_whose_first_answer_fails_their_request(llm):
+    """Two late forks of one request answer in the same step, the first with a failure: that
+    ends the request (both forks), and the second answer, now of a finished sequence, is dropped
+    (never a failed engine step)."""
+    eng = llm.engine
+    release = threading.Event()
+    plain = eng.add_request(PROMPT, GREEDY)
+    other = eng.add_request(NEIGHBOUR, GREEDY, ForkThenFail(release))
+    while not plain.finished:
+        eng.step()
+    assert not other.finished and len(other.seqs) == 2   # both forks are waiting for their calls
+    release.set()
+    time.sleep(0.2)   # both answers are in before the next step takes them
+    for _ in range(50):
+        if other.finished:
+            break
+        eng.step()
+    [a, b] = eng.completions(other)
+    assert a.finish_reason == b.finish_reason == "error" and "gave up" in a.error
+    for r in (plain, other):
+        eng.release(r)
+    assert not eng.has_unfinished()
+
+
 def test_controller_cpu_per_token_is_budgeted(llm, alone):
     def burn(n, b, bt, t):
         end = time.thread_time() + 0.004  # 4 ms of CPU a step
@@ -183,20 +228,3 @@ def test_controller_cpu_per_token_is_budgeted(llm, alone):
     plain, other, _ = _run_beside(llm, params, Policy(burn))  # the default (50 ms a token) lets it run
     assert other[0].finish_reason == "length"
 
-
-def test_late_forks_that_fail_together_fail_only_their_request(llm, alone):
-    """Two forks whose controllers are late (slower than a step) both answer wrongly: the first
-    answer applied fails the request and releases the other fork; the engine must go on with
-    the neighbour, not trip over the released fork's answer."""
-    def late_then_invalid(n, b, bt, t):
-        if n == 1:
-            return [Branch(), Branch()]  # fork in two
-        time.sleep(0.03)  # slower than a tiny-model step: both forks' answers come late
-        return [Branch(backtrack=10 ** 6)]  # more than there is: an invalid Branch
-
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain, other, _ = _run_beside(llm, params, Policy(late_then_invalid))
-    assert plain.token_ids == alone
-    assert other and all(c.finish_reason == "error" for c in other), [(c.finish_reason, c.error) for c in other]
-    assert not llm.engine.has_unfinished()
-    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks

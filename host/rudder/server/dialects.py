@@ -29,15 +29,14 @@ from .tools import ToolPlan
 @dataclass
 class Steer:
     """A request's controller: a name (tag, module id or built-in), its argument, the limits it
-    asks for, its declared backtrack depth (None: ask the registry), the request field
-    it came from and a hint added to a refusal."""
+    asks for, its declared backtrack depth (None: ask the registry) and the request field
+    it came from."""
 
     controller: str
     arg: str = ""
     limits: dict | None = None
     max_backtrack: int | None = None
     param: str | None = None
-    hint: str = ""
 
 
 def _check(build, *args, **kw) -> Constraint:
@@ -51,8 +50,8 @@ def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
     """The controller an OpenAI request (chat or completion) asks for, or None."""
     found: list[Steer] = []
 
-    def add(c: Constraint, hint: str = "") -> None:
-        found.append(Steer(c.controller, c.arg, param=c.source, max_backtrack=0, hint=hint))
+    def add(c: Constraint) -> None:
+        found.append(Steer(c.controller, c.arg, param=c.source, max_backtrack=0))
 
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_schema":
@@ -125,7 +124,7 @@ def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
                            param="rudder.max_backtrack")
 
     if tools is not None and tools.constraint is not None:
-        add(tools.constraint, tools.hint)
+        add(tools.constraint)
 
     if len(found) > 1:
         a, b = found[0].param, found[1].param

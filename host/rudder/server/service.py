@@ -192,11 +192,7 @@ class Service:
             raise
         except ControllerError as e:
             self.metrics.failure(e.kind)
-            err = controller_error(e, steer.controller, steer.param)
-            if steer.hint and e.kind == "start":
-                err = APIError("controller_error", f"{steer.hint}. The controller said: {_last_line(e.log_tail)}",
-                               param=steer.param, code="unsupported_schema", kind=e.kind, log_tail=e.log_tail)
-            raise err from None
+            raise controller_error(e, steer.controller, steer.param) from None
         except ValueError as e:  # bad limits
             raise APIError("invalid_request", str(e), param="controller_limits") from None
 
@@ -260,11 +256,6 @@ class Service:
         log.info("request %s status=%s tenant=%s controller=%s prompt_tokens=%d completion_tokens=%d error=%s "
                  "seconds=%.3f", request_id, status, tenant, controller or "-", prompt, completion,
                  error_kind or "-", seconds)
-
-
-def _last_line(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else ""
 
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

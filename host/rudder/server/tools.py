@@ -12,8 +12,8 @@ and a call is
 - a named function: the output is constrained (the `json` controller) to
   `{"name": <that name>, "arguments": <its parameters schema>}`;
 - "required": the same over the request's tools: one tool gives one object schema; several give
-  `anyOf` of such objects (a union whose alternatives start alike, which the `json` controller
-  refuses today: a 400 naming the limitation, never unconstrained output);
+  `anyOf` of such objects (a tagged union on "name": the `json` controller reads the name, then
+  follows that tool's arguments);
 - "auto" (the default with tools): the `grammar` controller allows either text (not starting
   with `<`) or one or more `<tool_call>` blocks whose arguments follow each tool's schema
   (compiled to the grammar; a non-strict tool whose schema uses keywords the compiler lacks gets
@@ -58,7 +58,6 @@ class ToolPlan:
     parallel: bool = True
     constraint: Constraint | None = None
     mode: str | None = None
-    hint: str = ""                   # added to a controller's refusal (several tools, issue 15)
 
     @classmethod
     def of(cls, tools: list | None, tool_choice: Any, parallel: bool | None) -> "ToolPlan | None":
@@ -78,10 +77,6 @@ class ToolPlan:
         elif tool_choice == "required":
             plan.choice, plan.mode = "required", "json"
             plan.constraint = Constraint("json", json.dumps(_call_schema(functions), ensure_ascii=False), "tool_choice")
-            if len(functions) > 1:
-                plan.hint = (f"tool_choice \"required\" over {len(functions)} tools needs a union (anyOf) of object "
-                             "schemas, which this server's json controller cannot generate yet (issue 15); name "
-                             "one tool in tool_choice or send one tool")
         elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
             name = (tool_choice.get("function") or {}).get("name")
             chosen = [f for f in functions if f["name"] == name]

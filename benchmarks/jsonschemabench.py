@@ -1,0 +1,613 @@
+"""JSONSchemaBench on the SmolLM2 vocabulary: our `json` controller against llguidance, xgrammar
+and outlines-core, on the same files in one run.
+
+    .venv/bin/python benchmarks/jsonschemabench.py [--data ../shared/jsonschemabench]
+        [--engines ours,llguidance,xgrammar,outlines] [--timeout 20] [--only PREFIX,...]
+        [--limit N] [--json benchmarks/results/jsonschemabench.json] [--plot jsonschemabench.png]
+        [--resume]
+
+The data: JSONSchemaBench files in MaskBench's format, `{"schema", "tests": [{"data", "valid"}]}`
+(the default folder is `../shared/jsonschemabench` from the repository root). A file's source
+subset is its name's prefix (`Github_hard---o123.json` -> `Github_hard`, `BFCL_simple_7.json`
+-> `BFCL_simple`).
+
+Per engine and schema, twice: in compact mode (no whitespace) and in flexible-whitespace mode.
+1. compile the schema (timed: from the schema text to something that gives the first mask);
+2. walk each test instance token by token on its SmolLM2 tokenization: the compact
+   serialisation in compact mode, the instance's own indented text (`json.dumps(indent=2)`) in
+   flexible mode. At each step the mask is computed (timed) and must allow the instance's next
+   token; at the end the engine must allow EOS (or stop by itself).
+A valid instance refused is a **validation error**, an invalid one accepted an **invalidation
+error** (counted per instance). A schema **passes** when it compiles in both modes and every
+instance is judged right in both. Compile errors are counted per schema, with their messages in
+the JSON file.
+
+How each engine runs: in its own worker process, one schema at a time; a worker that takes
+longer than `--timeout` seconds on one schema (both modes, all walks) is killed and restarted,
+and the schema counts as a **timeout** (not passing). Ours: the real sandbox
+(`rudder.controller.ControllerRuntime`), the built-in `json` controller, a request started per
+mode with fast-forward off (`max_ff_tokens=0`: every step is a mask); a mask's time is the
+whole step call through the host (the Wasm call, the guest's work, decoding the Branch), and
+the compile time is starting the request. Walks after the first go back to the start with a
+backtrack (caches stay warm, as the peers' `reset()`). llguidance: `LLMatcher` with
+`whitespace_flexible` per mode, `fill_next_token_bitmask`. xgrammar: `compile_json_schema`
+(`any_whitespace`, compact separators), `GrammarMatcher.fill_next_token_bitmask`.
+outlines-core: `build_regex_from_schema` (whitespace pattern `""` or `[ \\t\\n\\r]*`), `Index`,
+`Guide.write_mask_into`. Consuming a token is not timed for the peers.
+
+A full run takes hours (the peers' slow compiles and timeouts). With `--json`, the records so
+far are saved every 50 files (`"partial": true`, the mask times beside it in `FILE.masks.npz`);
+`--resume` goes on from such a checkpoint of the same files, engines and timeout.
+
+The machine is shared and noisy: compare engines within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "host"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ENGINES = ("ours", "llguidance", "xgrammar", "outlines")
+DEFAULT_DATA = ROOT.parent / "shared" / "jsonschemabench"
+GOALS = {"compile_p95_ms": 5.0, "mask_p99_us": 200.0}
+
+
+def subset_of(name: str) -> str:
+    stem = name[:-5] if name.endswith(".json") else name
+    return re.sub(r"_\d+$", "", stem.split("---")[0])
+
+
+def instance_texts(data) -> tuple[str, str]:
+    """(compact, indented) serialisations of a test instance."""
+    return (json.dumps(data, separators=(",", ":"), ensure_ascii=False),
+            json.dumps(data, indent=2, ensure_ascii=False))
+
+
+# -- engines (each lives in a worker process) ---------------------------------------------------
+
+
+class CompileError(Exception):
+    pass
+
+
+def _allowed(mask, t: int) -> bool:
+    return bool((int(mask[t >> 5]) >> (t & 31)) & 1)
+
+
+class Ours:
+    def __init__(self, tok, folder):
+        from rudder.controller import ControllerRuntime
+        from rudder.controller.build import builtin_controller
+
+        self.tok = tok
+        self.rt = ControllerRuntime(tok, cache_dir=False, max_instances=16)
+        self.module = self.rt.load(builtin_controller("json"))
+        self.rt.start(self.module, "{}").close()   # the module's one-time set-up, outside the timings
+
+    @staticmethod
+    def argument(schema, flexible: bool) -> str:
+        if flexible:
+            schema = {**schema, "x-rudder-whitespace": "flexible"} if isinstance(schema, dict) else \
+                {"allOf": [schema], "x-rudder-whitespace": "flexible"}
+        return json.dumps(schema, ensure_ascii=False)
+
+    def compile(self, schema, flexible: bool):
+        from rudder.controller import ControllerError, Limits
+
+        try:
+            ctl = self.rt.start(self.module, self.argument(schema, flexible), Limits(max_ff_tokens=0))
+        except ControllerError as e:
+            raise CompileError(f"{e.kind}: {str(e)[:300]}") from None
+        return {"ctl": ctl, "generated": None}
+
+    def walk(self, m, ids: list[int]):
+        from rudder.controller import ControllerError
+
+        ctl = m["ctl"]
+        times = []
+        try:
+            if m["generated"] is None:
+                branches = ctl.mid_process(0, 0, [self.tok.bos_token_id])
+            else:
+                branches = ctl.mid_process(0, m["generated"], [])
+            m["generated"] = 0
+            for i, t in enumerate(ids):
+                if not branches or branches[0].mask is None or not _allowed(branches[0].mask, t):
+                    return False, times, i
+                t0 = time.perf_counter()
+                branches = ctl.mid_process(0, 0, [t])
+                times.append(time.perf_counter() - t0)
+                m["generated"] += 1
+            done = not branches or (branches[0].mask is not None and _allowed(branches[0].mask, self.tok.eos_token_id))
+            return done, times, len(ids)
+        except ControllerError as e:
+            m["error"] = f"{e.kind}: {str(e)[:200]}"
+            return False, times, -1
+
+    def close(self, m):
+        m["ctl"].close()
+
+
+class LLGuidance:
+    def __init__(self, tok, folder):
+        import llguidance
+        import llguidance.numpy as llnp
+
+        self.ll, self.llnp = llguidance, llnp
+        self.lltok = llguidance.LLTokenizer(str(folder / "tokenizer.json"), eos_token=tok.eos_token_id)
+        self.bitmask = llnp.allocate_token_bitmask(1, tok.vocab_size)
+        self.eos = tok.eos_token_id
+
+    def compile(self, schema, flexible: bool):
+        opts = {"whitespace_flexible": flexible}
+        if not flexible:
+            opts.update(item_separator=",", key_separator=":")
+        try:
+            grammar = self.ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=opts)
+            m = self.ll.LLMatcher(self.lltok, grammar)
+        except Exception as e:   # noqa: BLE001 - the message is the result
+            raise CompileError(str(e)[:300]) from None
+        if m.is_error():
+            raise CompileError(m.get_error()[:300])
+        return m
+
+    def walk(self, m, ids):
+        m.reset()
+        times = []
+        for i, t in enumerate(ids):
+            t0 = time.perf_counter()
+            self.llnp.fill_next_token_bitmask(m, self.bitmask, 0)
+            times.append(time.perf_counter() - t0)
+            if not _allowed(self.bitmask[0], t) or not m.consume_token(t):
+                return False, times, i
+        self.llnp.fill_next_token_bitmask(m, self.bitmask, 0)
+        return _allowed(self.bitmask[0], self.eos) or m.is_stopped(), times, len(ids)
+
+    def close(self, m):
+        pass
+
+
+class XGrammar:
+    def __init__(self, tok, folder):
+        import xgrammar
+
+        self.xgr = xgrammar
+        specials = tok.special_token_ids
+        vocab = [b"" if i in specials else b for i, b in enumerate(tok.token_bytes)]
+        info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=tok.vocab_size,
+                                      stop_token_ids=[tok.eos_token_id])
+        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        self.bitmask = xgrammar.allocate_token_bitmask(1, tok.vocab_size)
+        self.eos = tok.eos_token_id
+
+    def compile(self, schema, flexible: bool):
+        try:
+            compiled = self.compiler.compile_json_schema(
+                json.dumps(schema), any_whitespace=flexible, separators=None if flexible else (",", ":"),
+                strict_mode=False)
+            return self.xgr.GrammarMatcher(compiled)
+        except Exception as e:   # noqa: BLE001
+            raise CompileError(str(e)[:300]) from None
+
+    def walk(self, m, ids):
+        m.reset()
+        times = []
+        for i, t in enumerate(ids):
+            t0 = time.perf_counter()
+            m.fill_next_token_bitmask(self.bitmask)
+            times.append(time.perf_counter() - t0)
+            if not _allowed(self.bitmask[0], t) or not m.accept_token(t):
+                return False, times, i
+        m.fill_next_token_bitmask(self.bitmask)
+        return _allowed(self.bitmask[0], self.eos) or m.is_terminated(), times, len(ids)
+
+    def close(self, m):
+        pass
+
+
+class Outlines:
+    def __init__(self, tok, folder):
+        import outlines_core
+
+        self.oc = outlines_core
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, b in enumerate(tok.token_bytes):
+            if i not in tok.special_token_ids and b:
+                by_bytes.setdefault(b, []).append(i)
+        self.vocabulary = outlines_core.Vocabulary(tok.eos_token_id, by_bytes)
+        self.mask = np.zeros((tok.vocab_size + 31) // 32, dtype=np.int32)
+        self.eos = tok.eos_token_id
+
+    def compile(self, schema, flexible: bool):
+        try:
+            regex = self.oc.json_schema.build_regex_from_schema(
+                json.dumps(schema), whitespace_pattern=r"[ \t\n\r]*" if flexible else "")
+            return self.oc.Guide(self.oc.Index(regex, self.vocabulary))
+        except BaseException as e:   # noqa: BLE001 - pyo3 panics are BaseException
+            raise CompileError(str(e)[:300]) from None
+
+    def walk(self, g, ids):
+        g.reset()
+        times = []
+        mask = self.mask
+        for i, t in enumerate(ids):
+            t0 = time.perf_counter()
+            g.write_mask_into(mask.ctypes.data, mask.size, 4)
+            times.append(time.perf_counter() - t0)
+            if not _allowed(mask.view(np.uint32), t):
+                return False, times, i
+            try:
+                g.advance(t, return_tokens=False)
+            except BaseException:   # noqa: BLE001
+                return False, times, i
+        g.write_mask_into(mask.ctypes.data, mask.size, 4)
+        return _allowed(mask.view(np.uint32), self.eos) or g.is_finished(), times, len(ids)
+
+    def close(self, g):
+        pass
+
+
+MAKERS = {"ours": Ours, "llguidance": LLGuidance, "xgrammar": XGrammar, "outlines": Outlines}
+
+
+def run_schema(engine, tok, path: Path) -> dict:
+    """Compile and walk one file on one engine (both modes)."""
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    schema, tests = doc["schema"], doc.get("tests", [])
+    res = {"compile_ms": [], "error": None, "walks": [], "mask_us": []}
+    for flexible in (False, True):
+        t0 = time.perf_counter()
+        try:
+            m = engine.compile(schema, flexible)
+        except CompileError as e:
+            res["error"] = f"{'flexible' if flexible else 'compact'}: {e}"
+            return res
+        res["compile_ms"].append((time.perf_counter() - t0) * 1e3)
+        try:
+            for k, test in enumerate(tests):
+                text = instance_texts(test["data"])[1 if flexible else 0]
+                ids = tok.encode(text)
+                accepted, times, at = engine.walk(m, ids)
+                res["mask_us"] += [x * 1e6 for x in times]
+                walk = {"test": k, "flexible": flexible, "valid": bool(test["valid"]), "accepted": accepted,
+                        "at": at, "n": len(ids)}
+                if isinstance(m, dict) and m.get("error"):
+                    walk["error"] = m.pop("error")
+                res["walks"].append(walk)
+        finally:
+            engine.close(m)
+    return res
+
+
+def worker(name: str, data_dir: str, conn) -> None:
+    """Serves one engine: receives file names, answers result dicts (or None for 'done')."""
+    from rudder.model_files import fetch_model
+    from rudder.tokenizer import Tokenizer
+
+    folder = fetch_model(progress=False)
+    tok = Tokenizer.from_folder(folder)
+    try:
+        engine = MAKERS[name](tok, folder)
+    except ImportError as e:
+        conn.send({"unavailable": f"not installed ({e})"})
+        return
+    conn.send({"ready": True})
+    while True:
+        try:
+            file_name = conn.recv()
+        except EOFError:   # the main process is gone
+            return
+        if file_name is None:
+            return
+        try:
+            res = run_schema(engine, tok, Path(data_dir) / file_name)
+        except Exception:   # noqa: BLE001 - a crash of the engine on this schema is its result
+            res = {"compile_ms": [], "error": "crash: " + traceback.format_exc(limit=2)[-300:], "walks": [], "mask_us": []}
+        conn.send(res)
+
+
+class Worker:
+    """One engine's worker process; restarted after a timeout."""
+
+    def __init__(self, name: str, data_dir: Path):
+        self.name, self.data_dir = name, str(data_dir)
+        self.proc = None
+        self.unavailable = None
+        self.start()
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker, args=(self.name, self.data_dir, child), daemon=True)
+        self.proc.start()
+        hello = self.conn.recv()
+        self.unavailable = hello.get("unavailable")
+
+    def run(self, file_name: str, timeout: float) -> dict:
+        self.conn.send(file_name)
+        if self.conn.poll(timeout):
+            return self.conn.recv()
+        self.proc.kill()
+        self.proc.join()
+        self.start()
+        return {"timeout": True}
+
+    def close(self) -> None:
+        if self.proc and self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(timeout=5)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+# -- aggregation -----------------------------------------------------------------------------------
+
+
+def summarize(records: dict[str, dict], mask_us: np.ndarray) -> dict:
+    """Counts and percentiles over the files in `records` (file -> per-schema record)."""
+    s = {"schemas": len(records), "passing": 0, "compile_errors": 0, "timeouts": 0,
+         "validation_errors": 0, "invalidation_errors": 0, "schemas_with_validation_errors": 0,
+         "schemas_with_invalidation_errors": 0}
+    compile_ms = []
+    for r in records.values():
+        if r.get("timeout"):
+            s["timeouts"] += 1
+            continue
+        if r["error"]:
+            s["compile_errors"] += 1
+            continue
+        compile_ms.append(r["compile_ms"][0])
+        bad_valid = sum(1 for w in r["walks"] if w["valid"] and not w["accepted"])
+        bad_invalid = sum(1 for w in r["walks"] if not w["valid"] and w["accepted"])
+        s["validation_errors"] += bad_valid
+        s["invalidation_errors"] += bad_invalid
+        s["schemas_with_validation_errors"] += bad_valid > 0
+        s["schemas_with_invalidation_errors"] += bad_invalid > 0
+        s["passing"] += bad_valid == 0 and bad_invalid == 0
+    if compile_ms:
+        c = np.asarray(compile_ms)
+        s.update(compile_p50_ms=float(np.median(c)), compile_p95_ms=float(np.percentile(c, 95)),
+                 compile_max_ms=float(c.max()))
+    if mask_us.size:
+        s.update(mask_p50_us=float(np.median(mask_us)), mask_p99_us=float(np.percentile(mask_us, 99)),
+                 mask_max_us=float(mask_us.max()), masks=int(mask_us.size))
+    return s
+
+
+def error_reasons(records: dict[str, dict], n: int = 8) -> list[tuple[int, str]]:
+    """The most common compile errors, paths and quoted names cut out (to group them)."""
+    counts: dict[str, int] = {}
+    for r in records.values():
+        msg = "timeout" if r.get("timeout") else r.get("error")
+        if msg:
+            msg = msg.split("json: ", 1)[1] if "json: " in msg else msg.split(": ", 1)[-1]   # (ours: its own message)
+            msg = re.sub(r'"[^"]*"|\'[^\']*\'|#[^ ]*|\d+', "_", msg)[:110]
+            counts[msg] = counts.get(msg, 0) + 1
+    return sorted(((c, m) for m, c in counts.items()), reverse=True)[:n]
+
+
+def fmt(s: dict) -> str:
+    def g(k, f="{:.1f}"):
+        return f.format(s[k]) if k in s else "-"
+    pct = 100 * s["passing"] / max(s["schemas"], 1)
+    return (f"{s['passing']:>5} {pct:5.1f}% {s['compile_errors']:>5} {s['timeouts']:>4} {s['validation_errors']:>5}"
+            f" {s['invalidation_errors']:>5} | {g('compile_p50_ms', '{:.2f}'):>7} {g('compile_p95_ms', '{:.2f}'):>7}"
+            f" {g('compile_max_ms', '{:.0f}'):>7} | {g('mask_p50_us'):>6} {g('mask_p99_us'):>7} {g('mask_max_us', '{:.0f}'):>7}")
+
+
+HEADER = (f"{'engine':<11} {'pass':>5} {'%':>6} {'c.err':>5} {'t/o':>4} {'v.err':>5} {'i.err':>5} |"
+          f" {'c p50ms':>7} {'c p95':>7} {'c max':>7} | {'m p50us':>6} {'p99':>7} {'max':>7}")
+
+
+def plot(summary: dict, masks: dict[str, np.ndarray], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = [e for e in summary["total"] if "schemas" in summary["total"][e]]
+    subsets = sorted(summary["subsets"])
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [3, 1]})
+    ax = axes[0]
+    width = 0.8 / max(len(engines), 1)
+    for k, e in enumerate(engines):
+        vals = [100 * summary["subsets"][sub][e]["passing"] / max(summary["subsets"][sub][e]["schemas"], 1)
+                for sub in subsets]
+        ax.bar(np.arange(len(subsets)) + k * width, vals, width, label=f"{e} ({summary['total'][e]['passing']})")
+    ax.set_xticks(np.arange(len(subsets)) + 0.4 - width / 2, subsets, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("% of schemas passing")
+    ax.legend(fontsize=8)
+    ax.set_title("Passing schemas per subset (compiled, every instance judged right, both modes)", fontsize=9)
+    ax = axes[1]
+    data = [np.maximum(masks[e], 0.1) for e in engines if masks[e].size]
+    ax.boxplot(data, whis=(1, 99), showfliers=False)
+    ax.set_xticks(range(1, len(data) + 1), [e for e in engines if masks[e].size], rotation=30, fontsize=8)
+    ax.set_yscale("log")
+    ax.axhline(GOALS["mask_p99_us"], color="red", linestyle=":", linewidth=1)
+    ax.set_ylabel("µs per mask (whiskers p1-p99)")
+    ax.set_title("Mask time", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def save_checkpoint(path: Path, files: list[str], data: Path, timeout: float, records: dict, masks: dict,
+                    done: int) -> None:
+    """The records of the first `done` files, and their mask times (one array per engine, with
+    the count per file), written beside each other; each file is replaced whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for e, per_file in masks.items():
+        arrays[f"{e}.us"] = np.concatenate(per_file) if per_file else np.zeros(0, np.float32)
+        arrays[f"{e}.n"] = np.asarray([m.size for m in per_file], dtype=np.int64)
+    tmp = path.with_name(path.name + ".masks.tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path.with_name(path.name + ".masks.npz"))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"partial": True, "done": done, "files": len(files), "file_names": files,
+                               "data": str(data), "timeout_s": timeout, "engines": list(records),
+                               "records": records}) + "\n")
+    tmp.replace(path)
+
+
+def load_checkpoint(path: Path, files: list[str], engines: list[str], timeout: float):
+    """(records, masks, done) from a checkpoint of this very run (same files, engines, timeout)."""
+    d = json.loads(path.read_text())
+    if not d.get("partial"):
+        raise SystemExit(f"{path} is not a checkpoint (a finished run, or another file)")
+    if d["file_names"] != files or d["engines"] != engines or d["timeout_s"] != timeout:
+        raise SystemExit(f"{path} is a checkpoint of other files, engines or timeout")
+    done = d["done"]
+    arrays = np.load(path.with_name(path.name + ".masks.npz"))
+    masks = {}
+    for e in engines:
+        counts = arrays[f"{e}.n"]
+        if len(counts) != done:
+            raise SystemExit(f"{path}: the mask times do not match the records")
+        masks[e] = list(np.split(arrays[f"{e}.us"], np.cumsum(counts)[:-1])) if done else []
+    return d["records"], masks, done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from: " + ", ".join(ENGINES))
+    ap.add_argument("--timeout", type=float, default=20.0, help="seconds per schema and engine (both modes, all walks)")
+    ap.add_argument("--only", default="", help="comma-separated file name prefixes")
+    ap.add_argument("--limit", type=int, default=0, help="the first N files (after --only)")
+    ap.add_argument("--json", type=Path, help="write the summary and per-schema records here")
+    ap.add_argument("--plot", type=Path, help="draw passing per subset and mask times (PNG)")
+    ap.add_argument("--resume", action="store_true", help="go on from the checkpoint in --json")
+    args = ap.parse_args()
+    if args.resume and not args.json:
+        ap.error("--resume needs --json (the checkpoint)")
+    engines = args.engines.split(",")
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        ap.error(f"unknown engine(s): {', '.join(unknown)}")
+    files = sorted(p.name for p in args.data.glob("*.json"))
+    if args.only:
+        files = [f for f in files if f.startswith(tuple(args.only.split(",")))]
+    if args.limit:
+        files = files[: args.limit]
+    if not files:
+        ap.error(f"no .json files in {args.data}")
+
+    workers = {e: Worker(e, args.data) for e in engines}
+    for e, w in list(workers.items()):
+        if w.unavailable:
+            print(f"{e}: {w.unavailable}")
+            w.close()
+            del workers[e]
+    records = {e: {} for e in workers}
+    masks = {e: [] for e in workers}
+    done = 0
+    if args.resume:
+        records, masks, done = load_checkpoint(args.json, files, list(workers), args.timeout)
+        print(f"resuming after {done} files", file=sys.stderr, flush=True)
+    t_start = time.perf_counter()
+    try:
+        for i, f in enumerate(files):
+            if i < done:
+                continue
+            for e, w in workers.items():
+                r = w.run(f, args.timeout)
+                m = np.asarray(r.pop("mask_us", []), dtype=np.float32)
+                masks[e].append(m)
+                if m.size:
+                    r["mask_max_us"] = float(m.max())
+                records[e][f] = r
+            if (i + 1) % 100 == 0 or i + 1 == len(files):
+                line = ", ".join(f"{e} {sum(1 for r in records[e].values() if not r.get('timeout') and not r['error'])}"
+                                 for e in workers)
+                print(f"[{i + 1}/{len(files)} files, {time.perf_counter() - t_start:.0f} s] compiled: {line}",
+                      file=sys.stderr, flush=True)
+            if args.json and (i + 1) % 50 == 0 and i + 1 < len(files):
+                save_checkpoint(args.json, files, args.data, args.timeout, records, masks, i + 1)
+    finally:
+        for w in workers.values():
+            w.close()
+
+    by_subset: dict[str, list[int]] = {}
+    for i, f in enumerate(files):
+        by_subset.setdefault(subset_of(f), []).append(i)
+    all_masks = {e: np.concatenate(masks[e]) if masks[e] else np.zeros(0) for e in workers}
+    summary = {"total": {}, "subsets": {}}
+    for e in workers:
+        summary["total"][e] = summarize(records[e], all_masks[e])
+    for sub, idx in sorted(by_subset.items()):
+        summary["subsets"][sub] = {}
+        for e in workers:
+            recs = {files[i]: records[e][files[i]] for i in idx}
+            m = np.concatenate([masks[e][i] for i in idx]) if idx else np.zeros(0)
+            summary["subsets"][sub][e] = summarize(recs, m)
+
+    # the files every engine compiled (both modes): validation errors and speed on equal terms
+    common = [i for i, f in enumerate(files) if all(not records[e][f].get("timeout") and not records[e][f]["error"] for e in workers)]
+    summary["common"] = {e: summarize({files[i]: records[e][files[i]] for i in common},
+                                      np.concatenate([masks[e][i] for i in common]) if common else np.zeros(0))
+                         for e in workers}
+    print(f"\n{len(files)} files from {args.data}; SmolLM2 vocabulary; timeout {args.timeout:g} s per schema and engine;"
+          f" {time.perf_counter() - t_start:.0f} s\n")
+    print(HEADER)
+    for e in workers:
+        print(f"{e:<11} {fmt(summary['total'][e])}")
+    print(f"\non the {len(common)} files every engine compiled:")
+    for e in workers:
+        print(f"{e:<11} {fmt(summary['common'][e])}")
+    print("\nper subset:")
+    for sub in summary["subsets"]:
+        print(f"{sub} ({summary['subsets'][sub][next(iter(workers))]['schemas']} files)")
+        for e in workers:
+            print(f"  {e:<9} {fmt(summary['subsets'][sub][e])}")
+    print("\nmost common compile errors:")
+    for e in workers:
+        summary["total"][e]["error_reasons"] = error_reasons(records[e])
+        for count, msg in summary["total"][e]["error_reasons"]:
+            print(f"  {e:<11} {count:>4}  {msg}")
+    if "ours" in workers:
+        t = summary["total"]["ours"]
+        checks = []
+        for peer in ("llguidance",):
+            if peer in workers:
+                p = summary["total"][peer]
+                checks.append(f"passing >= {peer}'s: {'ok' if t['passing'] >= p['passing'] else 'MISSED'}")
+                checks.append(f"validation errors <= {peer}'s: "
+                              f"{'ok' if t['validation_errors'] <= p['validation_errors'] else 'MISSED'}")
+        if "compile_p95_ms" in t:
+            checks.append(f"compile p95 <= {GOALS['compile_p95_ms']:g} ms: "
+                          f"{'ok' if t['compile_p95_ms'] <= GOALS['compile_p95_ms'] else 'MISSED'}")
+        if "mask_p50_us" in t:
+            peers = [summary["total"][p]["mask_p50_us"] for p in ("llguidance", "xgrammar")
+                     if p in workers and "mask_p50_us" in summary["total"][p]]
+            if peers:
+                checks.append(f"mask p50 <= min(llguidance, xgrammar): {'ok' if t['mask_p50_us'] <= min(peers) else 'MISSED'}")
+            checks.append(f"mask p99 <= {GOALS['mask_p99_us']:g} µs: {'ok' if t['mask_p99_us'] <= GOALS['mask_p99_us'] else 'MISSED'}")
+        print("\ngoals (ours): " + "; ".join(checks))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"files": len(files), "data": str(args.data), "timeout_s": args.timeout,
+                                         "summary": summary, "records": records}, indent=1) + "\n")
+        print(f"saved {args.json}")
+    if args.plot:
+        plot(summary, all_masks, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1895 @@
+/* rudder_js_match.c - the JSON Schema engine's byte automaton over the node graph of
+ * rudder_js_nodes.h, and its engine for the token layer (rudder_constraint.h).
+ *
+ * A *thread* is one pushdown automaton: a stack of frames (node, phase, container progress)
+ * and the lexer of the current string or number. A position is a *set* of threads: at a union
+ * whose alternatives can take the same byte, the thread splits into one per alternative, and a
+ * thread that cannot take a byte dies. Sets are kept sorted and without duplicates (threads
+ * that meet again merge), so a set is a canonical key for the token layer's cache.
+ *
+ * Masks: a token is allowed when some thread takes all its bytes, so a set's mask is the union
+ * of its threads' masks. One thread's mask is a walk of the token trie, one thread per depth,
+ * a whole subtree skipped at the first dead byte (a split walks the subtree once per thread it
+ * became). Inside strings a fast path allows the "plain" tokens (whole UTF-8 characters, no
+ * quote, backslash or control byte) as a class and pushes only the few others.
+ */
+#include "rudder_js_nodes.h"
+
+#define MAX_THREADS 512u    /* threads of one position; past it the later ones are dropped (documented) */
+#define MAX_FORCED 64u
+
+/* Frame phases. 0 is "nothing read yet" for every value. */
+enum { V_START = 0 };
+enum { D_START = 0, D_VALUE, D_DONE };                                 /* the document (frame 0) */
+enum { O_KEY_OR_END = 1, O_KEY, O_IN_KEY, O_COLON, O_VALUE, O_AFTER };  /* objects */
+enum { A_ITEM_OR_END = 1, A_ITEM, A_VALUE, A_AFTER };                  /* arrays */
+enum { S_IN = 1, N_IN = 1, L_IN = 1 };                                 /* strings, numbers, literals */
+/* String lexer phases (lphase) */
+enum { SL_CHAR = 1, SL_UTF8, SL_ESC, SL_U0, SL_U1, SL_U2, SL_U3 };
+/* Number lexer phases */
+enum { NL_START = 1, NL_SIGN, NL_ZERO, NL_INT, NL_DOT, NL_FRAC, NL_E, NL_ESIGN, NL_EXP };
+/* Frame flags */
+#define F_EXTRAS 1u     /* object, in a key: it may be an extra key */
+#define F_COUNTS 0x80u  /* an array item that matches `contains` */
+
+enum { DEAD = 0, OK = 1, RETRY = 2, CLOSED = 3 };
+
+typedef struct {
+    uint16_t node;
+    uint8_t phase, flags;
+    uint32_t aux;    /* object: key trie node, then the extra key's value node; array: items; literal: trie node */
+    uint32_t aux2;   /* object: next property | current << 9 (EXTRA_KEY: an extra key) | properties written << 18 */
+    uint32_t aux3;   /* object: properties written (with dependentRequired); array: items matching contains */
+} frame;
+
+typedef struct {
+    uint8_t sp, lphase, u8need, u8lo, u8hi, neg, pad[2];
+    uint32_t len;              /* string, key: code points (saturated); number: digit counts */
+    uint32_t hex;              /* \uXXXX accumulator */
+    uint32_t mod;              /* number: value modulo multipleOf */
+    uint32_t rx[STRING_RX];    /* string: its regexes' states; extra key: [0] patterns, [1] propertyNames */
+    uint32_t pad2;             /* (explicit: threads are compared as bytes) */
+    double num;                /* number magnitude so far (bounded numbers only) */
+    frame f[RUDDER_JS_MAX_DEPTH];
+} thread;
+
+#define HEAD ((uint32_t)__builtin_offsetof(thread, f))
+
+static inline uint32_t tsize(const thread *s) { return HEAD + s->sp * (uint32_t)sizeof(frame); }
+static inline void tcopy(thread *dst, const thread *src) { memcpy(dst, src, tsize(src)); }
+
+/* Threads that split off while one byte is pushed. */
+typedef struct {
+    thread *t;
+    uint32_t n, cap;
+} tlist;
+
+static void tlist_add(tlist *l, const thread *s) {
+    l->t = rudder_grow(l->t, &l->cap, l->n + 1, sizeof(thread));
+    tcopy(&l->t[l->n++], s);
+}
+
+typedef struct js_matcher {
+    thread *cur;          /* the current position: n_cur threads, sorted, distinct */
+    uint32_t n_cur, cap_cur;
+    thread *buf[2];       /* scratch sets for pushing */
+    uint32_t cap_buf[2];
+    uint8_t *hist;        /* checkpoints: serialized sets, back to back */
+    uint32_t n_hist, cap_hist, *hist_at, n_cps, cap_cps;
+    thread *walk;         /* one thread per trie depth (the walk recurses at splits: deeper) */
+    uint32_t *ends, *sets, walk_cap;
+    tlist *spill;         /* per walk depth */
+    tlist split;          /* for pushes outside walks */
+    uint32_t *order, cap_order;   /* normalize's scratch */
+    uint32_t *far;        /* per string node with one regex and a maximum: rx_far (NONE - 1: not yet) */
+    thread *sorted;
+    uint32_t cap_sorted;
+    uint32_t dropped;     /* threads dropped at MAX_THREADS (for logs) */
+} js_matcher;
+
+static inline const jnode *N(const rudder_js *js, uint32_t id) { return &js->nodes[id]; }
+
+static inline void lex_reset(thread *s) {
+    s->lphase = s->u8need = s->u8lo = s->u8hi = s->neg = 0;
+    s->len = s->hex = s->mod = 0;
+    for (uint32_t i = 0; i < STRING_RX; i++)
+        s->rx[i] = 0;
+    s->num = 0;
+}
+
+/* Does a value of `node` fit as a child of the top frame? */
+static inline bool fits(const rudder_js *js, const thread *s, uint32_t node) {
+    return node != NONE && s->sp + N(js, node)->need <= RUDDER_JS_MAX_DEPTH;
+}
+
+static inline bool push_frame(const rudder_js *js, thread *s, uint32_t node, uint8_t flags) {
+    if (!fits(js, s, node))
+        return false;
+    s->f[s->sp++] = (frame){(uint16_t)node, V_START, flags, 0, 0, 0};
+    return true;
+}
+
+/* The value on top is complete: pop it and move its parent on. */
+static void child_done(const rudder_js *js, thread *s) {
+    uint8_t flags = s->f[s->sp - 1].flags;
+    s->sp--;
+    lex_reset(s);
+    frame *p = &s->f[s->sp - 1];
+    if (s->sp == 1) {
+        p->phase = D_DONE;
+    } else if (p->phase == O_VALUE) {
+        p->phase = O_AFTER;
+        p->aux = 0;   /* (the value's node: no longer needed, and equal states should be equal bytes) */
+    } else {   /* A_VALUE */
+        const jnode *n = N(js, p->node);
+        if (p->aux < n->cap)
+            p->aux++;
+        if ((flags & F_COUNTS) && p->aux3 < n->contains)
+            p->aux3++;
+        p->phase = A_AFTER;
+    }
+}
+
+/* ------------------------------------------------------------------ numbers */
+
+static const double P10[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16};
+
+/* Some value in the interval (open ends as flagged) meets the node's bounds? */
+static bool hits(const jnode *n, double a, double b, bool a_open, bool b_open) {
+    if (n->has_lo && (b < n->lo || (b == n->lo && (b_open || n->lo_excl))))
+        return false;
+    if (n->has_hi && (a > n->hi || (a == n->hi && (a_open || n->hi_excl))))
+        return false;
+    return true;
+}
+
+static bool mag_hits(const jnode *n, bool neg, double a, double b, bool b_open) {
+    return neg ? hits(n, -b, -a, b_open, false) : hits(n, a, b, false, b_open);
+}
+
+static int64_t floor_i64(double x) {
+    int64_t i = (int64_t)x;
+    return (double)i > x ? i - 1 : i;
+}
+
+/* An integer of magnitude in [a, b] (of that sign) inside the bounds and, with multipleOf, a
+ * multiple of it? */
+static bool int_hits(const jnode *n, bool neg, double a, double b) {
+    if (!n->mult)
+        return mag_hits(n, neg, a, b, false);
+    int64_t lo = neg ? -(int64_t)b : (int64_t)a, hi = neg ? -(int64_t)a : (int64_t)b, m = n->mult;
+    if (n->has_lo) {
+        int64_t l = -floor_i64(-n->lo);   /* ceil */
+        if (n->lo_excl && (double)l == n->lo)
+            l++;
+        lo = l > lo ? l : lo;
+    }
+    if (n->has_hi) {
+        int64_t h = floor_i64(n->hi);
+        if (n->hi_excl && (double)h == n->hi)
+            h--;
+        hi = h < hi ? h : hi;
+    }
+    if (lo > hi)
+        return false;
+    /* The first multiple >= lo, in unsigned arithmetic: |lo| < 10^16 and m > 0, so nothing
+     * overflows (and a signed product would need a 128-bit overflow check under UBSan). */
+    uint64_t um = (uint64_t)m;
+    int64_t first = lo >= 0 ? (int64_t)(((uint64_t)lo + um - 1) / um * um) : -(int64_t)((uint64_t)(-lo) / um * um);
+    return first <= hi;
+}
+
+/* Can the number read so far still end inside the bounds? s->num holds all its digits as an
+ * integer (exact: at most 15 of them), the fraction's digit count is in s->len. */
+static bool feasible(const jnode *n, const thread *s) {
+    if (!n->has_lo && !n->has_hi)
+        return true;
+    uint32_t id = s->len & 0xff, fd = (s->len >> 8) & 0xff;
+    double x = s->num;
+    bool neg = s->neg;
+    switch (s->lphase) {
+    case NL_SIGN:
+        return n->integer ? int_hits(n, true, 1, P10[INT_DIGITS] - 1) : mag_hits(n, true, 0, P10[INT_DIGITS], true);
+    case NL_ZERO:
+        return n->integer ? int_hits(n, neg, 0, 0) : mag_hits(n, neg, 0, 1, true);
+    case NL_INT:
+        if (n->integer ? int_hits(n, neg, x, x) : mag_hits(n, neg, x, x + 1, true))
+            return true;
+        for (uint32_t j = 1; id + j <= INT_DIGITS; j++)
+            if (n->integer ? int_hits(n, neg, x * P10[j], (x + 1) * P10[j] - 1)
+                           : mag_hits(n, neg, x * P10[j], (x + 1) * P10[j], true))
+                return true;
+        return false;
+    case NL_DOT:
+        return mag_hits(n, neg, x, x + 1, true);
+    default:   /* NL_FRAC */
+        if (id + fd >= INT_DIGITS)
+            return mag_hits(n, neg, x / P10[fd], x / P10[fd], false);
+        return mag_hits(n, neg, x / P10[fd], (x + 1) / P10[fd], true);
+    }
+}
+
+/* With `left` more integer digits at most, can the value modulo mult still become 0? */
+static bool mod_reachable(uint32_t mult, uint32_t mod, uint32_t left) {
+    uint64_t p = 1;
+    for (uint32_t j = 0; j <= left; j++, p *= 10) {
+        if (p >= mult)
+            return true;
+        uint64_t want = (mult - (uint64_t)mod * p % mult) % mult;   /* the digits appended must equal this */
+        if (want < p)
+            return true;
+    }
+    return false;
+}
+
+static bool number_complete(const jnode *n, const thread *s) {
+    uint8_t p = s->lphase;
+    if (p != NL_ZERO && p != NL_INT && p != NL_FRAC && p != NL_EXP)
+        return false;
+    if (n->mult && s->mod)
+        return false;
+    if (!n->has_lo && !n->has_hi)
+        return true;
+    double v = s->num / P10[p == NL_FRAC ? (s->len >> 8) & 0xff : 0];
+    if (s->neg)
+        v = -v;
+    return hits(n, v, v, false, false);
+}
+
+static int num_byte(const rudder_js *js, thread *s, const jnode *n, uint8_t b) {
+    bool bounded = n->has_lo || n->has_hi, digit = b >= '0' && b <= '9';
+    uint32_t id = s->len & 0xff, fd = (s->len >> 8) & 0xff, ed = s->len >> 16;
+    uint32_t max_frac = n->frac != 255 ? n->frac : FRAC_DIGITS;
+    bool e = (b == 'e' || b == 'E') && !n->integer && !bounded && n->frac == 255;
+    bool dot = b == '.' && !n->integer && max_frac > 0;
+    switch (s->lphase) {
+    case NL_START:
+        if (b == '-') {
+            s->neg = 1;
+            s->lphase = NL_SIGN;
+            return feasible(n, s) ? OK : DEAD;
+        }
+        /* fall through */
+    case NL_SIGN:
+        if (!digit)
+            return DEAD;
+        s->lphase = b == '0' ? NL_ZERO : NL_INT;
+        s->len = 1;
+        if (bounded)
+            s->num = b - '0';
+        if (n->mult) {
+            s->mod = (uint32_t)(b - '0') % n->mult;
+            if (!mod_reachable(n->mult, s->mod, b == '0' ? 0 : INT_DIGITS - 1))
+                return DEAD;
+        }
+        return feasible(n, s) ? OK : DEAD;
+    case NL_ZERO:
+        if (dot) {
+            s->lphase = NL_DOT;
+            return feasible(n, s) ? OK : DEAD;
+        }
+        if (e) {
+            s->lphase = NL_E;
+            return OK;
+        }
+        break;
+    case NL_INT:
+        if (digit && id < INT_DIGITS) {
+            s->len++;
+            if (bounded)
+                s->num = s->num * 10 + (b - '0');
+            if (n->mult) {
+                s->mod = (uint32_t)(((uint64_t)s->mod * 10 + (uint64_t)(b - '0')) % n->mult);
+                if (!mod_reachable(n->mult, s->mod, INT_DIGITS - id - 1))
+                    return DEAD;
+            }
+            return feasible(n, s) ? OK : DEAD;
+        }
+        if (dot) {
+            s->lphase = NL_DOT;
+            return feasible(n, s) ? OK : DEAD;
+        }
+        if (e) {
+            s->lphase = NL_E;
+            return OK;
+        }
+        break;
+    case NL_DOT:
+        if (!digit)
+            return DEAD;
+        /* fall through */
+    case NL_FRAC:
+        if (digit && fd < max_frac && (!bounded || id + fd < INT_DIGITS)) {
+            s->lphase = NL_FRAC;
+            s->len += 1u << 8;
+            if (bounded)
+                s->num = s->num * 10 + (b - '0');
+            return feasible(n, s) ? OK : DEAD;
+        }
+        if (e) {
+            s->lphase = NL_E;
+            return OK;
+        }
+        break;
+    case NL_E:
+        if (b == '+' || b == '-') {
+            s->lphase = NL_ESIGN;
+            return OK;
+        }
+        /* fall through */
+    case NL_ESIGN:
+        if (!digit)
+            return DEAD;
+        s->lphase = NL_EXP;
+        s->len = (s->len & 0xffff) | 1u << 16;
+        return OK;
+    case NL_EXP:
+        if (digit && ed < EXP_DIGITS) {
+            s->len += 1u << 16;
+            return OK;
+        }
+        break;
+    }
+    /* `b` does not continue the number: it ends here, if complete and in range */
+    if (!number_complete(n, s))
+        return DEAD;
+    child_done(js, s);
+    return RETRY;
+}
+
+/* ------------------------------------------------------------------ strings */
+
+/* Can a string with these regex states and `len` characters so far still be completed (every
+ * regex matching, the length in [min, max])? A 0-1 breadth-first search over the regexes'
+ * states together (a character's first byte costs 1, a continuation byte 0), one
+ * representative byte per class of the first regex; cached. Needed only where no single
+ * regex's own pruning answers it: several regexes, or one with length bounds. */
+#define REACH_SLOTS 1024u
+#define REACH_MAX 2048u
+static struct {
+    uint32_t node, len, st[STRING_RX], ok;
+} g_reach[REACH_SLOTS];
+
+static bool rx_all_accept(const jnode *n, const uint32_t *st) {
+    for (uint32_t k = 0; k < n->n_rx; k++)
+        if (!rudder_rx_accepting(n->rx[k], st[k]))
+            return false;
+    return true;
+}
+
+static bool reach(const rudder_js *js, uint32_t node, const uint32_t *st, uint32_t len) {
+    const jnode *n = N(js, node);
+    uint32_t lo = n->min > len ? n->min - len : 0, hi = n->max == NONE ? NONE : n->max - len;
+    uint32_t h = node * 2654435761u ^ len * 40503u;
+    for (uint32_t k = 0; k < n->n_rx; k++)
+        h = (h ^ st[k]) * 16777619u;
+    h %= REACH_SLOTS;
+    if (g_reach[h].node == node + 1 && g_reach[h].len == len && !memcmp(g_reach[h].st, st, n->n_rx * 4))
+        return g_reach[h].ok;
+    /* one representative byte per run of bytes that every regex classes alike */
+    uint8_t reps[256];
+    uint32_t n_reps = 0;
+    for (uint32_t b = 0; b < 256; b++) {
+        bool fresh = b == 0 || b == 0x80 || b == 0xc0;   /* (continuation bytes count no character) */
+        for (uint32_t k = 0; k < n->n_rx && !fresh; k++) {
+            const rudder_rx_dfa *d = (const rudder_rx_dfa *)n->rx[k];
+            fresh = d->classes[b] != d->classes[b - 1];
+        }
+        if (fresh)
+            reps[n_reps++] = (uint8_t)b;
+    }
+    typedef struct {
+        uint32_t st[STRING_RX], c;
+    } item;
+    static item ring[REACH_MAX], done[REACH_MAX / 4];
+    uint32_t head = 0, size = 0, n_done = 0;
+    bool ok = false, full = false;
+    ring[0] = (item){.c = 0};
+    memcpy(ring[0].st, st, n->n_rx * 4);
+    size = 1;
+    while (size && !ok && !full) {
+        item it = ring[head];
+        head = (head + 1) % REACH_MAX, size--;
+        uint32_t cc = it.c < lo ? it.c : lo;
+        bool seen = false;   /* popped in order of c: the first visit of (states, cc) is the best */
+        for (uint32_t q = 0; q < n_done && !seen; q++)
+            seen = done[q].c == cc && !memcmp(done[q].st, it.st, n->n_rx * 4);
+        if (seen)
+            continue;
+        if (n_done == REACH_MAX / 4) {
+            full = true;   /* too large to search: assume it can */
+            break;
+        }
+        done[n_done] = it;
+        done[n_done++].c = cc;
+        if (it.c >= lo && rx_all_accept(n, it.st)) {
+            ok = true;
+            break;
+        }
+        for (uint32_t r = 0; r < n_reps; r++) {
+            uint32_t cost = reps[r] < 0x80 || reps[r] >= 0xc0;
+            item nx = {.c = it.c + cost};
+            bool dead = hi != NONE && nx.c > hi;
+            for (uint32_t k = 0; k < n->n_rx && !dead; k++)
+                dead = (nx.st[k] = rudder_rx_push(n->rx[k], it.st[k], reps[r])) == RUDDER_DEAD;
+            if (dead)
+                continue;
+            if (size == REACH_MAX) {
+                full = true;
+                break;
+            }
+            if (cost)
+                ring[(head + size) % REACH_MAX] = nx;
+            else
+                head = (head + REACH_MAX - 1) % REACH_MAX, ring[head] = nx;
+            size++;
+        }
+    }
+    ok |= full;
+    g_reach[h].node = node + 1;
+    g_reach[h].len = len;
+    memcpy(g_reach[h].st, st, n->n_rx * 4);
+    g_reach[h].ok = ok;
+    return ok;
+}
+
+/* One regex and a maximum: the fewest characters from a DFA state to a match, cached per
+ * (regex, state) (a 0-1 search as above; continuation bytes cost nothing). */
+#define DIST_SLOTS 4096u
+static struct {
+    const rudder_rx *rx;
+    uint32_t state, dist;
+} g_dist[DIST_SLOTS];
+
+static uint32_t rx_dist(rudder_rx *rx, uint32_t state) {
+    uint32_t h = (state * 2654435761u ^ (uint32_t)(uintptr_t)rx * 40503u) % DIST_SLOTS;
+    if (g_dist[h].rx == rx && g_dist[h].state == state)
+        return g_dist[h].dist;
+    const rudder_rx_dfa *d = (const rudder_rx_dfa *)rx;
+    uint8_t reps[256];
+    uint32_t n_reps = 0;
+    for (uint32_t b = 0; b < 256; b++)
+        if (b == 0 || b == 0x80 || b == 0xc0 || d->classes[b] != d->classes[b - 1])
+            reps[n_reps++] = (uint8_t)b;
+    enum { SIZE = 1024 };
+    static uint32_t ring[SIZE], cost[SIZE], done[SIZE];
+    uint32_t head = 0, size = 1, n_done = 0, found = NONE;
+    ring[0] = state, cost[0] = 0;
+    while (size && found == NONE) {
+        uint32_t q = ring[head], c = cost[head];
+        head = (head + 1) % SIZE, size--;
+        bool seen = false;
+        for (uint32_t i = 0; i < n_done && !seen; i++)
+            seen = done[i] == q;
+        if (seen)
+            continue;
+        if (n_done == SIZE || rudder_rx_accepting(rx, q)) {
+            found = n_done == SIZE ? 0 : c;   /* (too large to search: assume it is near) */
+            break;
+        }
+        done[n_done++] = q;
+        for (uint32_t r = 0; r < n_reps && size < SIZE; r++) {
+            uint32_t nx = rudder_rx_push(rx, q, reps[r]), step = reps[r] < 0x80 || reps[r] >= 0xc0;
+            if (nx == RUDDER_DEAD)
+                continue;
+            if (step)
+                ring[(head + size) % SIZE] = nx, cost[(head + size) % SIZE] = c + 1;
+            else
+                head = (head + SIZE - 1) % SIZE, ring[head] = nx, cost[head] = c;
+            size++;
+        }
+    }
+    g_dist[h].rx = rx, g_dist[h].state = state, g_dist[h].dist = found;
+    return found;
+}
+
+/* The largest finite distance to a match over the DFA states a regex can reach (states
+ * explored from the start, one byte per class); NONE when there are too many to tell. */
+static uint32_t rx_far(rudder_rx *rx) {
+    enum { MAX = 2048 };
+    static uint32_t seen[MAX];
+    const rudder_rx_dfa *d = (const rudder_rx_dfa *)rx;
+    uint32_t n = 0, far = 0;
+    seen[n++] = rudder_rx_start(rx, NULL);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t dist = rx_dist(rx, seen[i]);
+        if (dist != NONE && dist > far)
+            far = dist;
+        for (uint32_t b = 0; b < 256; b++) {
+            if (b && d->classes[b] == d->classes[b - 1])
+                continue;
+            uint32_t nx = rudder_rx_push(rx, seen[i], (uint8_t)b);
+            bool known = nx == RUDDER_DEAD;
+            for (uint32_t k = 0; k < n && !known; k++)
+                known = seen[k] == nx;
+            if (known)
+                continue;
+            if (n == MAX)
+                return NONE;
+            seen[n++] = nx;
+        }
+    }
+    return far;
+}
+
+/* The search above is needed where no single regex's own pruning answers "can this string
+ * still be completed": several regexes together, or one with a maximum length (one with only
+ * a minimum is checked where it closes). */
+static inline bool needs_reach(const jnode *n) { return n->n_rx > 1 || (n->n_rx == 1 && n->max != NONE); }
+
+/* Can the string be completed from these regex states with `len` characters so far? */
+static bool completable(const rudder_js *js, uint32_t node, const uint32_t *st, uint32_t len) {
+    const jnode *n = N(js, node);
+    if (n->n_rx == 1) {
+        uint32_t d = rx_dist(n->rx[0], st[0]);
+        return d != NONE && (n->max == NONE || len + d <= n->max);
+    }
+    return reach(js, node, st, len);
+}
+
+bool js_string_possible(const rudder_js *js, uint32_t node) {
+    const jnode *n = N(js, node);
+    if (n->max != NONE && n->min > n->max)
+        return false;
+    if (!n->n_rx)
+        return true;
+    uint32_t st[STRING_RX];
+    for (uint32_t k = 0; k < n->n_rx; k++)
+        st[k] = rudder_rx_start(n->rx[k], NULL);
+    return reach(js, node, st, 0);   /* (exact, minimum included: once per node) */
+}
+
+/* A byte of a string value through its regexes: those it must match die with it; those it
+ * must not match stay dead once they die (the string can then never match them). */
+static bool rx_more(const rudder_js *js, uint32_t node, thread *s, uint8_t b) {
+    const jnode *n = N(js, node);
+    for (uint32_t k = 0; k < n->n_rx; k++)
+        if ((s->rx[k] = rudder_rx_push(n->rx[k], s->rx[k], b)) == RUDDER_DEAD)
+            return false;
+    for (uint32_t k = n->n_rx; k < n->n_rx + n->n_neg; k++)
+        if (s->rx[k] != RUDDER_DEAD)
+            s->rx[k] = rudder_rx_push(n->rx[k], s->rx[k], b);
+    if (needs_reach(n) && !completable(js, node, s->rx, s->len))   /* (mid-character too: the search steps through continuation bytes) */
+        return false;
+    return true;
+}
+
+/* A character's first byte inside a string value: room, regexes, reachability. */
+static int count_char(const rudder_js *js, uint32_t node, thread *s, uint8_t b) {
+    const jnode *n = N(js, node);
+    if (n->max != NONE && s->len >= n->max)
+        return DEAD;
+    if (s->len < n->cap)
+        s->len++;
+    return rx_more(js, node, s, b) ? OK : DEAD;
+}
+
+/* May the string end here: length, the regexes it must match accept, those it must not don't. */
+static bool str_complete(const jnode *n, const thread *s) {
+    if (s->len < n->min || !rx_all_accept(n, s->rx))
+        return false;
+    for (uint32_t k = n->n_rx; k < n->n_rx + n->n_neg; k++)
+        if (s->rx[k] != RUDDER_DEAD && rudder_rx_accepting(n->rx[k], s->rx[k]))
+            return false;
+    return true;
+}
+
+static inline int hexval(uint8_t b) {
+    return b >= '0' && b <= '9' ? b - '0' : b >= 'a' && b <= 'f' ? b - 'a' + 10 : b >= 'A' && b <= 'F' ? b - 'A' + 10 : -1;
+}
+
+static const char ESC_FROM[] = "\"\\/bfnrt", ESC_TO[] = "\"\\/\b\f\n\r\t";
+
+static bool escape_possible(const rudder_js *js, uint32_t node, const thread *s) {
+    if (!N(js, node)->n_rx && !N(js, node)->n_neg)
+        return true;
+    thread t;
+    for (uint32_t i = 0; ESC_TO[i]; i++) {
+        tcopy(&t, s);
+        if (count_char(js, node, &t, (uint8_t)ESC_TO[i]) == OK)
+            return true;
+    }
+    return false;
+}
+
+/* UTF-8 structure of the next byte at a character boundary: sets the lexer to expect the
+ * continuation bytes; false for a byte that cannot start a character. */
+static bool utf8_lead(thread *s, uint8_t b) {
+    if (b >= 0xc2 && b <= 0xdf) {
+        s->u8need = 1, s->u8lo = 0x80, s->u8hi = 0xbf;
+    } else if (b >= 0xe0 && b <= 0xef) {
+        s->u8need = 2, s->u8lo = b == 0xe0 ? 0xa0 : 0x80, s->u8hi = b == 0xed ? 0x9f : 0xbf;
+    } else if (b >= 0xf0 && b <= 0xf4) {
+        s->u8need = 3, s->u8lo = b == 0xf0 ? 0x90 : 0x80, s->u8hi = b == 0xf4 ? 0x8f : 0xbf;
+    } else {
+        return false;
+    }
+    s->lphase = SL_UTF8;
+    return true;
+}
+
+static bool utf8_more(thread *s, uint8_t b) {
+    if (b < s->u8lo || b > s->u8hi)
+        return false;
+    if (--s->u8need == 0)
+        s->lphase = SL_CHAR, s->u8lo = s->u8hi = 0;
+    else
+        s->u8lo = 0x80, s->u8hi = 0xbf;
+    return true;
+}
+
+/* One byte inside a string value of `node`. */
+static int str_byte(const rudder_js *js, thread *s, uint32_t node, uint8_t b) {
+    const jnode *n = N(js, node);
+    switch (s->lphase) {
+    case SL_CHAR:
+        if (b == '"')
+            return str_complete(n, s) ? CLOSED : DEAD;
+        if (b == '\\') {   /* an escape must have room and, under a regex, a character it may write */
+            if ((n->max != NONE && s->len >= n->max) || !escape_possible(js, node, s))
+                return DEAD;
+            s->lphase = SL_ESC;
+            return OK;
+        }
+        if (b < 0x20)
+            return DEAD;
+        if (b < 0x80)
+            return count_char(js, node, s, b);
+        if (!utf8_lead(s, b))
+            return DEAD;
+        return count_char(js, node, s, b);
+    case SL_UTF8:
+        if (!utf8_more(s, b))
+            return DEAD;
+        return rx_more(js, node, s, b) ? OK : DEAD;
+    case SL_ESC: {
+        if (b == 'u' && !n->n_rx && !n->n_neg) {   /* (under a regex only short escapes: decided at once) */
+            s->lphase = SL_U0;
+            s->hex = 0;
+            return OK;
+        }
+        for (uint32_t i = 0; ESC_FROM[i]; i++)
+            if (b == (uint8_t)ESC_FROM[i]) {
+                s->lphase = SL_CHAR;
+                return count_char(js, node, s, (uint8_t)ESC_TO[i]);
+            }
+        return DEAD;
+    }
+    default: {   /* SL_U0..SL_U3 */
+        int h = hexval(b);
+        if (h < 0 || (s->lphase == SL_U1 && s->hex == 0xd && h >= 8))   /* no surrogates */
+            return DEAD;
+        s->hex = s->hex * 16 + (uint32_t)h;
+        if (s->lphase != SL_U3) {
+            s->lphase++;
+            return OK;
+        }
+        s->hex = 0;
+        s->lphase = SL_CHAR;
+        return count_char(js, node, s, 'x');   /* (no regex here: only the count matters) */
+    }
+    }
+}
+
+/* ------------------------------------------------------------------ objects */
+
+/* Property sets: bits from `from` on. */
+static uint32_t ps_count_from(const pset *p, uint32_t from) {
+    uint32_t n = 0;
+    for (uint32_t w = from >> 6; w < MAX_PROPS / 64; w++) {
+        uint64_t x = p->w[w];
+        if (w == from >> 6)
+            x &= ~0ull << (from & 63);
+        n += (uint32_t)__builtin_popcountll(x);
+    }
+    return n;
+}
+
+static uint32_t ps_first_from(const pset *p, uint32_t from) {
+    for (uint32_t w = from >> 6; w < MAX_PROPS / 64; w++) {
+        uint64_t x = p->w[w];
+        if (w == from >> 6)
+            x &= ~0ull << (from & 63);
+        if (x)
+            return w * 64 + (uint32_t)__builtin_ctzll(x);
+    }
+    return NONE;
+}
+
+static bool ps_meets(const pset *a, const pset *b) {
+    uint64_t x = 0;
+    for (uint32_t w = 0; w < MAX_PROPS / 64; w++)
+        x |= a->w[w] & b->w[w];
+    return x != 0;
+}
+
+/* Required now: the node's required properties and those the written ones depend on (objects
+ * with dependentRequired have at most 32 properties: the first word). */
+static pset required_now(const rudder_js *js, const jnode *n, const frame *f) {
+    pset r = js->psets[n->sets];
+    if (n->has_deps)
+        for (uint32_t seen = f->aux3; seen; seen &= seen - 1)
+            r.w[0] |= js->props[n->a + (uint32_t)__builtin_ctz(seen)].deps;
+    return r;
+}
+
+#define EXTRA_KEY 0x1ffu   /* the "current property" of an extra key (properties are < 256) */
+static inline uint32_t next_prop(const frame *f) { return f->aux2 & 0x1ff; }
+static inline uint32_t written(const frame *f) { return (f->aux2 >> 18) & 0xff; }
+
+/* Extra keys may come here: the object has them and one more key leaves room for the
+ * required ones (maxProperties). */
+static bool extras_ok(const rudder_js *js, const thread *s, const jnode *n, const frame *f) {
+    if (n->extra == NONE && !n->n_rx)
+        return false;
+    if (n->max != NONE) {
+        uint32_t left = 0;
+        if (n->n) {
+            pset req = required_now(js, n, f);
+            left = ps_count_from(&req, next_prop(f));
+        }
+        if (written(f) + 1 + left > n->max)
+            return false;
+    }
+    return s->sp + 1 <= RUDDER_JS_MAX_DEPTH;
+}
+
+/* Declared properties that may come next: from `next` up to the first required one (none is
+ * ever skipped), less those with no possible value, or whose value would not fit (nesting),
+ * whose dependencies were skipped, or that would leave no room for the required ones or no
+ * way to reach minProperties. */
+static pset key_range(const rudder_js *js, const thread *s, const jnode *n, const frame *f) {
+    pset fit = {{0}};
+    uint32_t next = next_prop(f);
+    if (next >= n->n)
+        return fit;
+    pset req = required_now(js, n, f);
+    uint32_t hi = ps_first_from(&req, next);
+    if (hi == NONE)
+        hi = n->n - 1;
+    for (uint32_t w = next >> 6; w <= hi >> 6; w++) {   /* [next, hi], less the never-fitting */
+        uint64_t x = ~0ull;
+        if (w == next >> 6)
+            x &= ~0ull << (next & 63);
+        if (w == hi >> 6 && (hi & 63) != 63)
+            x &= (2ull << (hi & 63)) - 1;
+        fit.w[w] = x & ~js->psets[n->sets + 1].w[w];
+    }
+    bool extras = n->extra != NONE || n->n_rx;
+    if (!n->has_deps && n->max == NONE && (!n->min || extras) && s->sp + n->deepest <= RUDDER_JS_MAX_DEPTH)
+        return fit;   /* (nothing else can exclude one) */
+    for (uint32_t k = next; k <= hi; k++) {
+        if (!ps_has(&fit, k))
+            continue;
+        const jprop *p = &js->props[n->a + k];
+        bool ok = fits(js, s, p->value);
+        if (ok && n->has_deps && (p->deps & ((1u << k) - 1) & ~f->aux3))
+            ok = false;   /* a property it depends on came earlier and was not written */
+        if (ok && n->max != NONE) {
+            pset later = req;
+            later.w[0] |= p->deps;
+            ok = written(f) + 1 + ps_count_from(&later, k + 1) <= n->max;
+        }
+        if (ok && n->min && !extras)
+            ok = written(f) + 1 + (n->n - k - 1) >= n->min;
+        if (!ok)
+            fit.w[k >> 6] &= ~(1ull << (k & 63));
+    }
+    return fit;
+}
+
+static bool any_in(const pset *p) {
+    uint64_t x = 0;
+    for (uint32_t w = 0; w < MAX_PROPS / 64; w++)
+        x |= p->w[w];
+    return x != 0;
+}
+
+static bool can_close(const rudder_js *js, const jnode *n, const frame *f) {
+    if (n->n) {
+        pset req = required_now(js, n, f);
+        if (ps_first_from(&req, next_prop(f)) != NONE)
+            return false;
+    }
+    return written(f) >= n->min;
+}
+
+/* The key is complete: property `cur` (EXTRA_KEY: an extra key, whose value node is `value`). */
+static void key_done(const rudder_js *js, thread *s, frame *f, const jnode *n, uint32_t cur, uint32_t value) {
+    (void)js;
+    uint32_t next = next_prop(f), count = written(f);
+    if (cur != EXTRA_KEY) {
+        next = cur + 1;
+        if (n->has_deps)
+            f->aux3 |= 1u << cur;
+    }
+    /* counted only up to where it matters (min/maxProperties): states then repeat */
+    uint32_t cap = n->max != NONE ? n->max + 1 : n->min;
+    if (count < (cap < 255 ? cap : 255))
+        count++;
+    f->phase = O_COLON;
+    f->flags = 0;
+    f->aux = value;
+    f->aux2 = next | cur << 9 | count << 18;
+    lex_reset(s);
+}
+
+/* The value node of an extra key at its closing quote (NONE: no such key may be there). */
+static uint32_t extra_value(const rudder_js *js, const jnode *n, const thread *s) {
+    if (s->len < n->kmin || (n->rx[1] && !rudder_rx_accepting(n->rx[1], s->rx[1])))
+        return NONE;
+    if (!n->n_rx)
+        return n->extra;
+    const uint32_t *acc = s->rx[0] == RUDDER_DEAD ? NULL : rudder_rx_accept_set(n->rx[0], s->rx[0]);
+    uint32_t set = acc ? acc[0] : 0;
+    return set ? js->idx[n->pvals + set] : n->extra;
+}
+
+/* A byte of an extra key's name: plain characters (no escapes: equal keys are equal bytes),
+ * its length and propertyNames pattern, and the patternProperties it matches. */
+static int extra_key_byte(const jnode *n, thread *s, uint8_t b) {
+    bool lead = false;
+    if (s->lphase == SL_CHAR) {
+        if (b < 0x20 || b == '\\' || b == '"')
+            return DEAD;
+        if (b >= 0x80 && !utf8_lead(s, b))
+            return DEAD;
+        lead = true;
+    } else if (!utf8_more(s, b)) {
+        return DEAD;
+    }
+    if (lead) {
+        if (n->kmax != NONE && s->len >= n->kmax)
+            return DEAD;
+        if (s->len < (n->kmax != NONE ? n->kmax : n->kmin))   /* (saturated: states repeat, answers are cached) */
+            s->len++;
+    }
+    if (n->rx[1] && (s->rx[1] = rudder_rx_push(n->rx[1], s->rx[1], b)) == RUDDER_DEAD)
+        return DEAD;
+    if (n->n_rx && s->rx[0] != RUDDER_DEAD) {
+        s->rx[0] = rudder_rx_push(n->rx[0], s->rx[0], b);
+        if (s->rx[0] == RUDDER_DEAD && n->extra == NONE)
+            return DEAD;   /* it must match some pattern */
+    }
+    return OK;
+}
+
+static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, uint8_t b) {
+    pset range = key_range(js, s, n, f);
+    bool extras = f->flags & F_EXTRAS;
+    uint32_t c = f->aux != NONE ? js_tchild(js, f->aux, b) : NONE;
+    if (extras && b == '"' && s->lphase == SL_CHAR) {   /* the key ends */
+        if (c != NONE && js->trie[c].term != NONE) {    /* it is a declared key */
+            if (!ps_has(&range, js->trie[c].term))
+                return DEAD;   /* written already, or a required one comes first */
+            key_done(js, s, f, n, js->trie[c].term, js->props[n->a + js->trie[c].term].value);
+            return OK;
+        }
+        uint32_t v = extra_value(js, n, s);
+        if (!fits(js, s, v))
+            return DEAD;
+        key_done(js, s, f, n, EXTRA_KEY, v);
+        return OK;
+    }
+    if (extras && b == '\\') {   /* only a declared key (escaped in the schema) goes on */
+        if (c == NONE || !ps_meets(&js->trie[c].below, &range))
+            return DEAD;
+        f->flags = 0;
+        lex_reset(s);
+    }
+    if (!(f->flags & F_EXTRAS)) {
+        if (c == NONE || !ps_meets(&js->trie[c].below, &range))
+            return DEAD;
+        if (js->trie[c].term != NONE)
+            key_done(js, s, f, n, js->trie[c].term, js->props[n->a + js->trie[c].term].value);
+        else
+            f->aux = c;
+        return OK;
+    }
+    if (extra_key_byte(n, s, b) != OK) {   /* only a declared key can go on */
+        if (c == NONE || !ps_meets(&js->trie[c].below, &range))
+            return DEAD;
+        f->flags = 0;
+        lex_reset(s);
+        if (js->trie[c].term != NONE)
+            key_done(js, s, f, n, js->trie[c].term, js->props[n->a + js->trie[c].term].value);
+        else
+            f->aux = c;
+        return OK;
+    }
+    f->aux = c;   /* NONE once it left every declared key */
+    return OK;
+}
+
+static int obj_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, uint8_t b, bool ws) {
+    if (f->phase == O_IN_KEY)
+        return key_byte(js, s, f, n, b);
+    if (ws)
+        return OK;
+    bool extras = extras_ok(js, s, n, f);
+    pset range = key_range(js, s, n, f);
+    bool more = extras || any_in(&range);
+    switch (f->phase) {
+    case O_KEY_OR_END:
+        if (b == '}') {
+            if (!can_close(js, n, f))
+                return DEAD;
+            child_done(js, s);
+            return OK;
+        }
+        /* fall through */
+    case O_KEY:
+        if (b != '"' || !more)
+            return DEAD;
+        f->phase = O_IN_KEY;
+        f->aux = n->n ? n->trie : NONE;   /* followed even past `next`: no duplicate keys */
+        f->flags = extras ? F_EXTRAS : 0;
+        lex_reset(s);
+        s->lphase = SL_CHAR;
+        if (extras && n->n_rx)
+            s->rx[0] = rudder_rx_start(n->rx[0], NULL);
+        if (extras && n->rx[1])
+            s->rx[1] = rudder_rx_start(n->rx[1], NULL);
+        return OK;
+    case O_COLON:
+        if (b != ':')
+            return DEAD;
+        f->phase = O_VALUE;
+        return push_frame(js, s, f->aux, 0) ? OK : DEAD;
+    case O_AFTER:
+        if (b == ',' && more) {
+            f->phase = O_KEY;
+            return OK;
+        }
+        if (b == '}' && can_close(js, n, f)) {
+            child_done(js, s);
+            return OK;
+        }
+        return DEAD;
+    }
+    return DEAD;
+}
+
+/* ------------------------------------------------------------------ arrays */
+
+static int arr_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, uint8_t b, bool ws) {
+    if (ws)
+        return OK;
+    uint32_t count = f->aux;
+    uint32_t item = count < n->n ? js->idx[n->a + count] : n->extra;
+    bool can_end = count >= n->min && f->aux3 >= n->contains;
+    bool more = item != NONE && (n->max == NONE || count < n->max) && fits(js, s, item);
+    switch (f->phase) {
+    case A_ITEM_OR_END:
+        if (b == ']') {
+            if (!can_end)
+                return DEAD;
+            child_done(js, s);
+            return OK;
+        }
+        /* fall through */
+    case A_ITEM:
+        if (!more)
+            return DEAD;
+        f->phase = A_VALUE;
+        return push_frame(js, s, item, 0) ? RETRY : DEAD;
+    case A_AFTER:
+        if (b == ',' && more) {
+            f->phase = A_ITEM;
+            return OK;
+        }
+        if (b == ']' && can_end) {
+            child_done(js, s);
+            return OK;
+        }
+        return DEAD;
+    }
+    return DEAD;
+}
+
+/* ------------------------------------------------------------------ one byte */
+
+static bool push_byte(const rudder_js *js, thread *s, uint8_t b, tlist *split);
+
+/* A value of a union starts: the thread goes on with the first alternative that can take the
+ * byte; each other one goes on in a copy (in `split`, having taken the byte too). */
+static int union_start(const rudder_js *js, thread *s, frame *f, const jnode *n, uint8_t b, tlist *split) {
+    uint32_t taken = NONE, base = f->flags;
+    for (uint32_t k = 0; k < n->n; k++) {
+        uint32_t alt = js->idx[n->a + k];
+        if (!js_bit(N(js, alt)->first, b) || s->sp - 1 + N(js, alt)->need > RUDDER_JS_MAX_DEPTH)
+            continue;
+        uint8_t flags = (uint8_t)(k < n->counting ? base | F_COUNTS : base);
+        if (taken == NONE) {
+            taken = alt;
+            f->node = (uint16_t)alt;
+            f->flags = flags;
+            continue;
+        }
+        if (!split)
+            continue;   /* (a caller that wants only one thread: the first alternative) */
+        thread copy;
+        tcopy(&copy, s);
+        copy.f[copy.sp - 1].node = (uint16_t)alt;
+        copy.f[copy.sp - 1].flags = flags;
+        if (push_byte(js, &copy, b, split))
+            tlist_add(split, &copy);
+    }
+    return taken == NONE ? DEAD : RETRY;
+}
+
+/* The tag of a tagged union is written (the top frame reads it; see tagged_union in
+ * rudder_js_compile.c): the thread goes on in the alternative whose tag pattern accepts, as
+ * if it had been that object from its start; each other one that accepts goes on in a copy. */
+static void tag_switch(const rudder_js *js, thread *s, uint32_t alt) {
+    frame *f = &s->f[s->sp - 1];
+    f->node = (uint16_t)alt;
+    uint32_t one = N(js, alt)->min ? 1 : 0;   /* written keys, counted as key_done would (max is NONE) */
+    f->aux2 = (f->aux2 & 0x3ffff) | one << 18;
+}
+
+static int tag_done(const rudder_js *js, thread *s, rudder_rx *rx, uint32_t state, tlist *split) {
+    const jnode *t = N(js, s->f[s->sp - 1].node);
+    const uint32_t *acc = rudder_rx_accept_set(rx, state);
+    uint32_t first = NONE, n = rudder_rx_n_patterns(rx);
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t alt = js->idx[t->tags + k];
+        if (!(acc[k >> 5] >> (k & 31) & 1u) || s->sp - 1 + N(js, alt)->need > RUDDER_JS_MAX_DEPTH)
+            continue;
+        if (first == NONE) {
+            first = alt;
+        } else if (split) {
+            thread copy;
+            tcopy(&copy, s);
+            tag_switch(js, &copy, alt);
+            tlist_add(split, &copy);
+        }
+    }
+    if (first == NONE)
+        return DEAD;
+    tag_switch(js, s, first);
+    return OK;
+}
+
+static int step(const rudder_js *js, thread *s, uint8_t b, tlist *split) {
+    frame *f = &s->f[s->sp - 1];
+    bool ws = js->flexible && (b == ' ' || b == '\n' || b == '\t' || b == '\r');
+    if (s->sp == 1) {
+        if (f->phase == D_START) {
+            if (ws)
+                return OK;
+            f->phase = D_VALUE;
+            return push_frame(js, s, js->root, 0) ? RETRY : DEAD;
+        }
+        return ws && f->phase == D_DONE ? OK : DEAD;
+    }
+    const jnode *n = N(js, f->node);
+    if (f->phase == V_START) {
+        if (ws)
+            return OK;
+        switch (n->kind) {
+        case K_UNION:
+            return union_start(js, s, f, n, b, split);
+        case K_OBJECT:
+            if (b != '{')
+                return DEAD;
+            f->phase = O_KEY_OR_END;
+            f->aux = f->aux2 = f->aux3 = 0;
+            return OK;
+        case K_ARRAY:
+            if (b != '[')
+                return DEAD;
+            f->phase = A_ITEM_OR_END;
+            f->aux = f->aux3 = 0;
+            return OK;
+        case K_STRING:
+            if (b != '"')
+                return DEAD;
+            f->phase = S_IN;
+            lex_reset(s);
+            s->lphase = SL_CHAR;
+            for (uint32_t k = 0; k < n->n_rx + n->n_neg; k++)
+                s->rx[k] = rudder_rx_start(n->rx[k], NULL);
+            if (needs_reach(n) && !completable(js, f->node, s->rx, 0))
+                return DEAD;
+            return OK;
+        case K_NUMBER:
+            f->phase = N_IN;
+            lex_reset(s);
+            s->lphase = NL_START;
+            return num_byte(js, s, n, b);
+        case K_LITS: {
+            uint32_t c = js_tchild(js, n->trie, b);
+            if (c == NONE)
+                return DEAD;
+            f->phase = L_IN;
+            f->aux = c;
+            return OK;
+        }
+        default:
+            return DEAD;
+        }
+    }
+    switch (n->kind) {
+    case K_OBJECT:
+        return obj_byte(js, s, f, n, b, ws);
+    case K_ARRAY:
+        return arr_byte(js, s, f, n, b, ws);
+    case K_STRING: {
+        int r = str_byte(js, s, f->node, b);
+        if (r == CLOSED) {
+            uint32_t state = s->rx[0];   /* (child_done resets the lexer) */
+            child_done(js, s);
+            return N(js, s->f[s->sp - 1].node)->tags != NONE ? tag_done(js, s, n->rx[0], state, split) : OK;
+        }
+        return r;
+    }
+    case K_NUMBER:
+        return num_byte(js, s, n, b);
+    case K_LITS: {
+        uint32_t c = js_tchild(js, f->aux, b);
+        if (c != NONE) {
+            f->aux = c;
+            return OK;
+        }
+        if (js->trie[f->aux].term == NONE)
+            return DEAD;
+        child_done(js, s);
+        return RETRY;
+    }
+    }
+    return DEAD;
+}
+
+/* Push one byte into thread s (in place); threads split off at unions go to `split` (NULL:
+ * keep the first alternative only). Returns whether s itself survived. */
+static bool push_byte(const rudder_js *js, thread *s, uint8_t b, tlist *split) {
+    int r;
+    while ((r = step(js, s, b, split)) == RETRY) {
+    }
+    return r == OK;
+}
+
+static bool accepting(const rudder_js *js, const thread *s0) {
+    thread s;
+    tcopy(&s, s0);
+    for (;;) {
+        frame *f = &s.f[s.sp - 1];
+        if (s.sp == 1)
+            return f->phase == D_DONE;
+        const jnode *n = N(js, f->node);
+        if (n->kind == K_NUMBER && f->phase == N_IN && number_complete(n, &s))
+            child_done(js, &s);
+        else if (n->kind == K_LITS && f->phase == L_IN && js->trie[f->aux].term != NONE)
+            child_done(js, &s);
+        else
+            return false;
+    }
+}
+
+/* A superset of the bytes that can come next, from the top frame alone; false when it could
+ * be almost anything (inside strings, numbers, extra keys, after a complete literal). */
+static bool candidates(const rudder_js *js, const thread *s, uint32_t set[8]) {
+    const frame *f = &s->f[s->sp - 1];
+    memset(set, 0, 32);
+    bool between = true;   /* between tokens of JSON: whitespace may come (flexible) */
+    if (s->sp == 1) {
+        if (f->phase == D_START)
+            memcpy(set, N(js, js->root)->first, 32);
+    } else if (f->phase == V_START) {
+        memcpy(set, N(js, f->node)->first, 32);
+    } else {
+        const jnode *n = N(js, f->node);
+        switch (n->kind) {
+        case K_OBJECT:
+            switch (f->phase) {
+            case O_KEY_OR_END: js_set_bit(set, '}'); /* fall through */
+            case O_KEY: js_set_bit(set, '"'); break;
+            case O_COLON: js_set_bit(set, ':'); break;
+            case O_AFTER: js_set_bit(set, ','), js_set_bit(set, '}'); break;
+            default:   /* O_IN_KEY */
+                if ((f->flags & F_EXTRAS) || f->aux == NONE)
+                    return false;
+                for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+                    js_set_bit(set, js->trie[c].byte);
+                between = false;
+            }
+            break;
+        case K_ARRAY: {
+            uint32_t item = f->aux < n->n ? js->idx[n->a + f->aux] : n->extra;
+            if (f->phase == A_AFTER) {
+                js_set_bit(set, ','), js_set_bit(set, ']');
+                break;
+            }
+            if (f->phase == A_ITEM_OR_END)
+                js_set_bit(set, ']');
+            if (item != NONE)
+                for (uint32_t w = 0; w < 8; w++)
+                    set[w] |= N(js, item)->first[w];
+            break;
+        }
+        case K_STRING:   /* under regexes: the bytes they all keep alive (and the closing quote) */
+            if (f->phase != S_IN || !n->n_rx || (s->lphase != SL_CHAR && s->lphase != SL_UTF8))
+                return false;
+            memset(set, 0xff, 32);
+            for (uint32_t k = 0; k < n->n_rx; k++) {
+                if (n->rx_free >> k & 1)
+                    continue;
+                const uint32_t *live = rudder_rx_live_bytes(n->rx[k], s->rx[k]);
+                for (uint32_t w = 0; w < 8; w++)
+                    set[w] &= live[w];
+            }
+            if (s->lphase == SL_UTF8) {
+                for (uint32_t b = 0; b < 256; b++)
+                    if (b < s->u8lo || b > s->u8hi)
+                        set[b >> 5] &= ~(1u << (b & 31));
+            } else {
+                set[0] = 0;   /* no control byte */
+                set['"' >> 5] &= ~(1u << ('"' & 31));
+                if (str_complete(n, s))
+                    js_set_bit(set, '"');
+                js_set_bit(set, '\\');
+            }
+            return true;
+        case K_LITS:
+        case K_NUMBER: {   /* its own next bytes, and when it may end here, the parent's */
+            bool may_end;
+            if (n->kind == K_LITS) {
+                for (uint32_t c = js->trie[f->aux].child; c != NONE; c = js->trie[c].sibling)
+                    js_set_bit(set, js->trie[c].byte);
+                may_end = js->trie[f->aux].term != NONE;
+            } else if (f->phase == N_IN) {
+                for (const char *c = "0123456789.eE+-"; *c; c++)
+                    js_set_bit(set, (uint8_t)*c);
+                may_end = number_complete(n, s);
+            } else {
+                return false;
+            }
+            if (may_end) {
+                thread up;
+                uint32_t more[8];
+                tcopy(&up, s);
+                child_done(js, &up);
+                if (!candidates(js, &up, more))
+                    return false;
+                for (uint32_t w = 0; w < 8; w++)
+                    set[w] |= more[w];
+            }
+            return true;
+        }
+        default:
+            return false;
+        }
+    }
+    if (js->flexible && between) {
+        js_set_bit(set, ' '), js_set_bit(set, '\n'), js_set_bit(set, '\t'), js_set_bit(set, '\r');
+    }
+    return true;
+}
+
+/* ------------------------------------------------------------------ sets of threads */
+
+static int tcmp(const thread *a, const thread *b) {
+    uint32_t la = tsize(a), lb = tsize(b);
+    int c = memcmp(a, b, la < lb ? la : lb);
+    return c ? c : (int)la - (int)lb;
+}
+
+static uint32_t thash(const thread *t) {
+    const uint8_t *p = (const uint8_t *)t;
+    uint32_t h = 2166136261u, n = tsize(t);
+    for (uint32_t i = 0; i < n; i++)
+        h = (h ^ p[i]) * 16777619u;
+    return h;
+}
+
+/* Put the threads in a canonical order (by hash, then bytes) without duplicates; past
+ * MAX_THREADS the rest is dropped. The order is sorted indices, then one pass of copies.
+ * Returns the new count. */
+static uint32_t normalize(js_matcher *m, thread *t, uint32_t n) {
+    if (n < 2)
+        return n;
+    m->order = rudder_grow(m->order, &m->cap_order, 2 * n, 4);
+    uint32_t *idx = m->order, *h = m->order + n;
+    for (uint32_t i = 0; i < n; i++)
+        idx[i] = i, h[i] = thash(&t[i]);
+    for (uint32_t gap = n / 2; gap; gap = gap == 2 ? 1 : gap * 5 / 11)   /* shell sort of indices */
+        for (uint32_t i = gap; i < n; i++) {
+            uint32_t v = idx[i], j = i;
+            while (j >= gap && (h[idx[j - gap]] > h[v] || (h[idx[j - gap]] == h[v] && tcmp(&t[idx[j - gap]], &t[v]) > 0))) {
+                idx[j] = idx[j - gap];
+                j -= gap;
+            }
+            idx[j] = v;
+        }
+    m->sorted = rudder_grow(m->sorted, &m->cap_sorted, n, sizeof(thread));
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n && k < MAX_THREADS; i++) {
+        const thread *x = &t[idx[i]];
+        if (k && h[idx[i]] == h[idx[i - 1]] && tcmp(&m->sorted[k - 1], x) == 0)
+            continue;
+        tcopy(&m->sorted[k++], x);
+    }
+    if (k == MAX_THREADS && n > MAX_THREADS)
+        m->dropped += n - MAX_THREADS;
+    for (uint32_t i = 0; i < k; i++)
+        tcopy(&t[i], &m->sorted[i]);
+    return k;
+}
+
+/* Push bytes into the current set; false (and the set unchanged) when every thread dies. The
+ * bytes go through two scratch buffers in turn; the current set is written at the end. */
+static bool set_push(rudder_js *js, const uint8_t *bytes, uint32_t len) {
+    js_matcher *m = js->m;
+    const thread *from = m->cur;
+    uint32_t n = m->n_cur;
+    for (uint32_t i = 0; i < len; i++) {
+        uint32_t k = 0, which = i & 1;
+        for (uint32_t t = 0; t < n; t++) {
+            m->split.n = 0;
+            m->buf[which] = rudder_grow(m->buf[which], &m->cap_buf[which], k + 1, sizeof(thread));
+            thread *to = m->buf[which];
+            tcopy(&to[k], &from[t]);
+            if (push_byte(js, &to[k], bytes[i], &m->split))
+                k++;
+            if (m->split.n) {
+                m->buf[which] = rudder_grow(m->buf[which], &m->cap_buf[which], k + m->split.n, sizeof(thread));
+                for (uint32_t j = 0; j < m->split.n; j++)
+                    tcopy(&m->buf[which][k++], &m->split.t[j]);
+            }
+        }
+        if (k == 0)
+            return false;
+        n = normalize(m, m->buf[which], k);
+        from = m->buf[which];
+    }
+    if (from != m->cur) {
+        m->cur = rudder_grow(m->cur, &m->cap_cur, n, sizeof(thread));
+        for (uint32_t t = 0; t < n; t++)
+            tcopy(&m->cur[t], &from[t]);
+    }
+    m->n_cur = n;
+    return true;
+}
+
+static bool set_accepting(const rudder_js *js) {
+    for (uint32_t t = 0; t < js->m->n_cur; t++)
+        if (accepting(js, &js->m->cur[t]))
+            return true;
+    return false;
+}
+
+/* ------------------------------------------------------------------ token classes */
+
+/* Request-independent. "Plain" tokens are UTF-8 (the last character may be cut short) with no
+ * quote, backslash or control byte: inside a string, at a character boundary, every one of
+ * them is allowed as long as its characters fit (maxLength) and, under regexes, their cached
+ * masks allow it; only the other ("special") tokens need checking one by one, and tokens that
+ * are not UTF-8 at all are never allowed there. g_plain_upto[k]: the plain tokens of at most k
+ * characters (k <= SHORT); longer plain tokens are few and listed apart. */
+#define SHORT 24u
+static uint32_t *g_plain_upto[SHORT + 1], *g_special, g_n_special, *g_long, g_n_long, g_max_token;
+static uint32_t *g_special_lcp;   /* bytes shared with the previous special token (sorted) */
+static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
+static uint8_t *g_tail;    /* bytes its last character lacks (a token cut inside a character) */
+static uint32_t g_first[256], g_n_first;   /* the trie's first-level nodes, and their bytes */
+static uint8_t g_first_byte[256];
+
+/* Valid UTF-8 whose last character may be cut short (a token can end inside a character). */
+static bool utf8_prefix(const uint8_t *b, uint32_t len) {
+    uint32_t i = 0;
+    while (i < len) {
+        uint32_t more = b[i] < 0x80 ? 0 : b[i] >= 0xc2 && b[i] <= 0xdf ? 1 : b[i] >= 0xe0 && b[i] <= 0xef ? 2 : b[i] >= 0xf0 && b[i] <= 0xf4 ? 3 : 99;
+        if (more == 99)
+            return false;
+        uint32_t have = len - i - 1 < more ? len - i - 1 : more;
+        if (!rudder_utf8_valid(b + i, 1 + more) && have == more)
+            return false;
+        if (have < more) {   /* cut short: check the bytes there are against a completed copy */
+            uint8_t full[4] = {b[i], 0x80, 0x80, 0x80};
+            for (uint32_t k = 1; k <= have; k++)
+                full[k] = b[i + k];
+            bool ok = false;
+            for (uint32_t fill = 0x80; fill <= 0xbf && !ok; fill++) {   /* some completion is valid */
+                for (uint32_t k = have + 1; k <= more; k++)
+                    full[k] = (uint8_t)fill;
+                ok = rudder_utf8_valid(full, 1 + more);
+            }
+            return ok;
+        }
+        i += 1 + more;
+    }
+    return true;
+}
+
+static int token_cmp(uint32_t x, uint32_t y) {
+    uint32_t lx, ly;
+    const uint8_t *a = rudder_token_bytes(x, &lx), *b = rudder_token_bytes(y, &ly);
+    for (uint32_t k = 0; k < lx && k < ly; k++)
+        if (a[k] != b[k])
+            return a[k] < b[k] ? -1 : 1;
+    return lx < ly ? -1 : lx > ly;
+}
+
+void rudder_js_init_tables(void) {
+    if (g_special)
+        return;
+    uint32_t vocab = rudder_vocab_size(), words = rudder_mask_words();
+    for (uint32_t k = 0; k <= SHORT; k++)
+        g_plain_upto[k] = rudder_mask_new();
+    g_special = rudder_xalloc(4 * (vocab + 1));
+    g_long = rudder_xalloc(4 * (vocab + 1));
+    g_chars = rudder_zalloc(vocab + 1);
+    g_tail = rudder_zalloc(vocab + 1);
+    for (uint32_t t = 0; t < vocab; t++) {
+        uint32_t len, chars = 0;
+        const uint8_t *b = rudder_token_bytes(t, &len);
+        if (!b || !len)
+            continue;
+        if (len > g_max_token)
+            g_max_token = len;
+        if (!utf8_prefix(b, len))
+            continue;   /* never inside a string at a character boundary */
+        bool plain = true;
+        for (uint32_t i = 0; i < len; i++) {
+            plain &= b[i] >= 0x20 && b[i] != '"' && b[i] != '\\';
+            chars += (b[i] & 0xc0) != 0x80;
+        }
+        if (!plain) {
+            g_special[g_n_special++] = t;
+            continue;
+        }
+        g_chars[t] = (uint8_t)(chars < 255 ? chars : 255);
+        uint32_t last = len;   /* continuation bytes the last character still lacks */
+        while (last > 0 && (b[last - 1] & 0xc0) == 0x80)
+            last--;
+        if (last > 0 && b[last - 1] >= 0xc0) {
+            uint32_t want = b[last - 1] >= 0xf0 ? 3 : b[last - 1] >= 0xe0 ? 2 : 1;
+            g_tail[t] = (uint8_t)(want - (len - last));
+        }
+        if (chars <= SHORT)
+            rudder_mask_set(g_plain_upto[chars], t);
+        else
+            g_long[g_n_long++] = t;
+    }
+    /* special tokens in byte order (insertion sort: a few hundred), and their shared prefixes */
+    g_special_lcp = rudder_xalloc(4 * (g_n_special + 1));
+    for (uint32_t i = 1; i < g_n_special; i++) {
+        uint32_t t = g_special[i], j = i;
+        while (j > 0 && token_cmp(g_special[j - 1], t) > 0) {
+            g_special[j] = g_special[j - 1];
+            j--;
+        }
+        g_special[j] = t;
+    }
+    for (uint32_t i = 0; i < g_n_special; i++) {
+        uint32_t la, lb, k = 0;
+        const uint8_t *a = i ? rudder_token_bytes(g_special[i - 1], &la) : NULL, *b = rudder_token_bytes(g_special[i], &lb);
+        while (a && k < la && k < lb && a[k] == b[k])
+            k++;
+        g_special_lcp[i] = k;
+    }
+    const rudder_trie *tr = rudder_trie_get();
+    for (uint32_t i = 1; i < tr->n_nodes && g_n_first < 256; i += tr->nodes[2 * i + 1]) {
+        g_first_byte[g_n_first] = (uint8_t)tr->nodes[2 * i];
+        g_first[g_n_first++] = i;
+    }
+    for (uint32_t k = 1; k <= SHORT; k++)   /* cumulative */
+        for (uint32_t w = 0; w < words; w++)
+            g_plain_upto[k][w] |= g_plain_upto[k - 1][w];
+}
+
+/* ------------------------------------------------------------------ masks of one thread */
+
+static uint32_t walk_range(rudder_js *js, const thread *t0, uint32_t *mask, uint32_t first, uint32_t end, uint32_t base);
+
+/* Inside a string value or an extra key, at a character boundary, the plain tokens go as a
+ * class: returns the room left in characters (NONE: unbounded), or 0 when the fast path does
+ * not apply; rx/st receive the regexes every character must keep alive (and their states). */
+static uint32_t plain_room(const rudder_js *js, const thread *s, rudder_rx **rx, uint32_t *st, uint32_t *n_rx, bool *reach_check) {
+    const frame *f = &s->f[s->sp - 1];
+    *n_rx = 0;
+    *reach_check = false;
+    if (s->sp < 2 || s->lphase != SL_CHAR)
+        return 0;
+    const jnode *n = N(js, f->node);
+    if (n->kind == K_STRING && f->phase == S_IN) {
+        for (uint32_t k = 0; k < n->n_rx; k++)
+            if (!(n->rx_free >> k & 1))   /* (one that never dies allows every plain token) */
+                rx[*n_rx] = n->rx[k], st[(*n_rx)++] = s->rx[k];
+        *reach_check = needs_reach(n);
+        return n->max == NONE ? NONE : n->max - s->len;
+    }
+    if (n->kind == K_OBJECT && f->phase == O_IN_KEY && (f->flags & F_EXTRAS)) {
+        if (n->rx[1])
+            rx[*n_rx] = n->rx[1], st[(*n_rx)++] = s->rx[1];
+        if (n->n_rx && n->extra == NONE) {   /* the key must match some pattern */
+            if (s->rx[0] == RUDDER_DEAD)
+                return 0;
+            rx[*n_rx] = n->rx[0], st[(*n_rx)++] = s->rx[0];
+        }
+        return n->kmax == NONE ? NONE : n->kmax - s->len;
+    }
+    return 0;
+}
+
+/* Do the bytes continue from thread t (in any of the threads it splits into)? */
+static bool bytes_ok(const rudder_js *js, const thread *t, const uint8_t *b, uint32_t n) {
+    thread c;
+    tcopy(&c, t);
+    for (uint32_t k = 0; k < n; k++) {
+        tlist split = {0};
+        bool alive = push_byte(js, &c, b[k], &split);
+        bool ok = false;
+        for (uint32_t j = 0; j < split.n && !ok; j++)
+            ok = bytes_ok(js, &split.t[j], b + k + 1, n - k - 1);
+        rudder_free(split.t);
+        if (ok)
+            return true;
+        if (!alive)
+            return false;
+    }
+    return true;
+}
+
+/* A plain token inside a string value with a maximum and regexes: can the string still be
+ * completed after it? (Its bytes through the regexes only: plain tokens need no lexing.) */
+static bool plain_token_ok(const rudder_js *js, const thread *s, uint32_t t) {
+    uint32_t node = s->f[s->sp - 1].node, len, st[STRING_RX];
+    const jnode *n = N(js, node);
+    const uint8_t *b = rudder_token_bytes(t, &len);
+    for (uint32_t k = 0; k < n->n_rx; k++) {
+        st[k] = s->rx[k];
+        for (uint32_t i = 0; i < len && st[k] != RUDDER_DEAD; i++)
+            st[k] = rudder_rx_push(n->rx[k], st[k], b[i]);
+        if (st[k] == RUDDER_DEAD)
+            return false;
+    }
+    return completable(js, node, st, s->len + g_chars[t]);
+}
+
+static uint32_t fill_plain(rudder_js *js, const thread *s0, uint32_t *mask, uint32_t room, rudder_rx **rx, const uint32_t *st,
+                           uint32_t n_rx, bool reach_check) {
+    uint32_t words = rudder_mask_words();
+    const uint32_t *base = g_plain_upto[room < SHORT ? room : SHORT];
+    bool narrowed = n_rx > 0 || reach_check;
+    if (!narrowed) {
+        for (uint32_t w = 0; w < words; w++)
+            mask[w] |= base[w];
+        for (uint32_t i = 0; room > SHORT && i < g_n_long; i++)
+            if (g_chars[g_long[i]] <= room)
+                rudder_mask_set(mask, g_long[i]);
+    } else {
+        /* the plain tokens that every regex's cached mask allows, each checked if needed */
+        const uint32_t *allowed[STRING_RX + 1], *safe = g_plain_upto[0];
+        const jnode *sn = N(js, s0->f[s0->sp - 1].node);
+        if (reach_check && sn->n_rx == 1) {
+            uint32_t node = s0->f[s0->sp - 1].node, far = js->m->far[node];
+            if (far == NONE - 1)
+                far = js->m->far[node] = rx_far(sn->rx[0]);
+            if (far != NONE && room != NONE && room > far)
+                safe = g_plain_upto[room - far < SHORT ? room - far : SHORT];
+        }
+        for (uint32_t k = 0; k < n_rx; k++)
+            allowed[k] = rudder_rx_mask(rx[k], st[k]);
+        for (uint32_t w = 0; w < words; w++) {
+            uint32_t bits = base[w];
+            for (uint32_t k = 0; k < n_rx && bits; k++)
+                bits &= allowed[k][w];
+            if (reach_check)   /* (tokens short enough that any state after them stays in reach pass) */
+                for (uint32_t x = bits & ~safe[w]; x; x &= x - 1) {
+                    uint32_t t = w * 32 + (uint32_t)__builtin_ctz(x);
+                    if (!plain_token_ok(js, s0, t))
+                        bits &= ~(1u << (t & 31));
+                }
+            mask[w] |= bits;
+        }
+        for (uint32_t i = 0; room > SHORT && i < g_n_long; i++) {
+            uint32_t t = g_long[i], len;
+            if (g_chars[t] > room)
+                continue;
+            const uint8_t *b = rudder_token_bytes(t, &len);
+            if (bytes_ok(js, s0, b, len))
+                rudder_mask_set(mask, t);
+        }
+    }
+    /* the special tokens in byte order: a shared prefix is pushed once (J[k]: the thread after
+     * k bytes, exact up to `exact`), and a dead one kills every token that starts with it; where
+     * a byte splits the thread (a union begins), the token's rest is checked on every branch */
+    thread *J = js->m->walk;
+    tlist *spill = &js->m->split;
+    tcopy(&J[0], s0);
+    uint32_t dead = NONE, exact = 0;
+    for (uint32_t i = 0; i < g_n_special; i++) {
+        uint32_t tok = g_special[i], len, k = g_special_lcp[i];
+        if (dead != NONE && k > dead)
+            continue;
+        const uint8_t *b = rudder_token_bytes(tok, &len);
+        if (k > exact)
+            k = exact;
+        dead = NONE;
+        bool ok = true;
+        for (; k < len; k++) {
+            tcopy(&J[k + 1], &J[k]);
+            spill->n = 0;
+            bool alive = push_byte(js, &J[k + 1], b[k], spill);
+            if (spill->n) {
+                ok = alive && bytes_ok(js, &J[k + 1], b + k + 1, len - k - 1);
+                for (uint32_t j = 0; j < spill->n && !ok; j++) {
+                    thread c;
+                    tcopy(&c, &spill->t[j]);
+                    ok = bytes_ok(js, &c, b + k + 1, len - k - 1);
+                }
+                exact = k;
+                break;
+            }
+            if (!alive) {
+                dead = exact = k;
+                ok = false;
+                break;
+            }
+            exact = k + 1;
+        }
+        if (ok)
+            rudder_mask_set(mask, tok);
+    }
+    return 1;   /* (counted by the caller) */
+}
+
+static tlist *spill_at(js_matcher *m, uint32_t depth) {
+    if (depth >= m->walk_cap)
+        rudder_panic("jsonschema: walk deeper than the longest token");
+    return &m->spill[depth];
+}
+
+/* The tokens of trie nodes [first, end) that continue from the thread in m->walk[base] (its
+ * candidate bytes in m->sets[8 * base]), OR-ed into mask; the walk's stacks are used from
+ * depth `base` on (a split walks the subtree deeper). Returns how many tokens were set (a token
+ * set twice counts twice: only zero matters). */
+static uint32_t walk_from(rudder_js *js, uint32_t *mask, uint32_t first, uint32_t end, uint32_t base) {
+    js_matcher *m = js->m;
+    const uint32_t *nodes = rudder_trie_get()->nodes;
+    uint32_t *ends = m->ends + base, *sets = m->sets + 8 * base, count = 0;
+    thread *J = m->walk + base;
+    uint32_t depth = 0, i = first;
+    ends[0] = end;
+    while (i < end) {
+        while (i >= ends[depth])
+            depth--;
+        uint32_t w = nodes[2 * i], size = nodes[2 * i + 1];
+        if (!js_bit(sets + 8 * depth, (uint8_t)w)) {   /* the thread cannot take this byte */
+            i += size;
+            continue;
+        }
+        thread *child = &J[depth + 1];
+        tcopy(child, &J[depth]);
+        tlist *spill = spill_at(m, base + depth + 1);
+        spill->n = 0;
+        bool alive = push_byte(js, child, (uint8_t)w, spill);
+        uint32_t tok1 = w >> 8;
+        if (spill->n) {   /* split: the token, then its subtree from each thread */
+            if (tok1) {
+                mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+                count++;
+            }
+            if (size > 1) {
+                if (alive)
+                    tlist_add(spill, child);
+                for (uint32_t j = 0; j < spill->n; j++)
+                    count += walk_range(js, &spill->t[j], mask, i + 1, i + size, base + depth + 1);
+            }
+            i += size;
+            continue;
+        }
+        if (!alive) {
+            i += size;
+            continue;
+        }
+        if (tok1) {
+            mask[(tok1 - 1) >> 5] |= 1u << ((tok1 - 1) & 31);
+            count++;
+        }
+        if (size > 1) {
+            ends[++depth] = i + size;
+            if (!candidates(js, child, sets + 8 * depth))
+                memset(sets + 8 * depth, 0xff, 32);
+        }
+        i++;
+    }
+    return count;
+}
+
+static uint32_t walk_range(rudder_js *js, const thread *t0, uint32_t *mask, uint32_t first, uint32_t end, uint32_t base) {
+    js_matcher *m = js->m;
+    thread *J = m->walk + base;
+    if (J != t0)
+        tcopy(J, t0);
+    if (!candidates(js, J, m->sets + 8 * base))
+        memset(m->sets + 8 * base, 0xff, 32);
+    return walk_from(js, mask, first, end, base);
+}
+
+/* The whole mask of one thread. */
+static uint32_t thread_mask(rudder_js *js, const thread *t, uint32_t *mask) {
+    rudder_rx *rx[STRING_RX + 1];
+    uint32_t st[STRING_RX + 1], n_rx;
+    bool reach_check;
+    uint32_t room = plain_room(js, t, rx, st, &n_rx, &reach_check);
+    js_matcher *m = js->m;
+    const frame *top = &t->f[t->sp - 1];
+    if (room && N(js, top->node)->kind == K_STRING && N(js, top->node)->n_rx) {
+        uint32_t live = 0;   /* a narrow regex (a literal, a date...): the walk is cheaper */
+        if (candidates(js, t, m->sets))
+            for (uint32_t w = 0; w < 8; w++)
+                live += (uint32_t)__builtin_popcount(m->sets[w]);
+        if (live < 48)
+            room = 0;
+    }
+    if (room) {
+        const frame *f = &t->f[t->sp - 1];
+        uint32_t count = fill_plain(js, t, mask, room, rx, st, n_rx, reach_check);
+        if (N(js, f->node)->kind == K_OBJECT && f->aux != NONE && (n_rx || room != NONE)) {
+            thread declared;   /* plain tokens the extra-key rules refuse may still spell a declared key */
+            tcopy(&declared, t);
+            declared.f[declared.sp - 1].flags &= (uint8_t)~F_EXTRAS;
+            count += thread_mask(js, &declared, mask);
+        }
+        return count;
+    }
+    /* the first level from a compact list: most positions kill most first bytes, and the
+     * first-level nodes are spread over the whole trie */
+    const uint32_t *nodes = rudder_trie_get()->nodes;
+    uint32_t count = 0;
+    tcopy(&m->walk[0], t);
+    if (!candidates(js, t, m->sets))
+        memset(m->sets, 0xff, 32);
+    uint32_t set[8];
+    memcpy(set, m->sets, 32);
+    for (uint32_t r = 0; r < g_n_first; r++)
+        if (js_bit(set, g_first_byte[r])) {
+            uint32_t at = g_first[r];
+            count += walk_from(js, mask, at, at + nodes[2 * at + 1], 0);
+        }
+    return count;
+}
+
+/* ------------------------------------------------------------------ the engine */
+
+static bool e_push(void *self, const uint8_t *bytes, uint32_t n) { return set_push(self, bytes, n); }
+
+static uint32_t e_save(void *self) {
+    rudder_js *js = self;
+    js_matcher *m = js->m;
+    uint32_t need = 4;
+    for (uint32_t t = 0; t < m->n_cur; t++)
+        need += tsize(&m->cur[t]);
+    m->hist = rudder_grow(m->hist, &m->cap_hist, m->n_hist + need, 1);
+    m->hist_at = rudder_grow(m->hist_at, &m->cap_cps, m->n_cps + 1, 4);
+    uint8_t *p = m->hist + m->n_hist;
+    memcpy(p, &m->n_cur, 4);
+    p += 4;
+    for (uint32_t t = 0; t < m->n_cur; t++) {
+        memcpy(p, &m->cur[t], tsize(&m->cur[t]));
+        p += tsize(&m->cur[t]);
+    }
+    m->hist_at[m->n_cps] = m->n_hist;
+    m->n_hist += need;
+    return m->n_cps++;
+}
+
+static void e_restore(void *self, uint32_t cp) {
+    rudder_js *js = self;
+    js_matcher *m = js->m;
+    const uint8_t *p = m->hist + m->hist_at[cp];
+    memcpy(&m->n_cur, p, 4);
+    p += 4;
+    m->cur = rudder_grow(m->cur, &m->cap_cur, m->n_cur, sizeof(thread));
+    for (uint32_t t = 0; t < m->n_cur; t++) {
+        uint8_t sp = p[0];
+        uint32_t size = HEAD + sp * (uint32_t)sizeof(frame);
+        memcpy(&m->cur[t], p, size);
+        p += size;
+    }
+    m->n_hist = (uint32_t)(p - m->hist);
+    m->n_cps = cp + 1;
+}
+
+static bool e_accepting(void *self) { return set_accepting(self); }
+
+static uint32_t e_walk(void *self, uint32_t *mask, uint32_t first, uint32_t end) {
+    rudder_js *js = self;
+    js_matcher *m = js->m;
+    uint32_t count = 0;
+    bool whole = first == 1 && end == rudder_trie_get()->n_nodes;
+    for (uint32_t t = 0; t < m->n_cur; t++) {
+        thread copy;
+        tcopy(&copy, &m->cur[t]);
+        count += whole ? thread_mask(js, &copy, mask) : walk_range(js, &copy, mask, first, end, 0);
+    }
+    return whole && count ? rudder_mask_count(mask) : count;
+}
+
+/* The one byte every thread allows next, or -1 (several, none, or the document may end). */
+static int forced_byte(rudder_js *js, const thread *set, uint32_t n) {
+    int only = -1;
+    for (uint32_t t = 0; t < n; t++) {
+        if (accepting(js, &set[t]))
+            return -1;
+        uint32_t cand[8];
+        bool narrow = candidates(js, &set[t], cand);
+        thread c;
+        for (uint32_t b = 0; b < 256; b++) {
+            if (narrow && !js_bit(cand, (uint8_t)b))
+                continue;
+            tcopy(&c, &set[t]);
+            tlist *spill = &js->m->split;
+            spill->n = 0;
+            if (push_byte(js, &c, (uint8_t)b, spill) || spill->n) {
+                if (only >= 0 && only != (int)b)
+                    return -1;
+                only = (int)b;
+            }
+        }
+    }
+    return only;
+}
+
+static uint32_t e_forced(void *self, uint8_t *dst, uint32_t cap) {
+    rudder_js *js = self;
+    js_matcher *m = js->m;
+    uint32_t cp = e_save(js), n = 0;   /* a checkpoint of its own, dropped at the end */
+    int b;
+    while (n < cap && n < MAX_FORCED && (b = forced_byte(js, m->cur, m->n_cur)) >= 0) {
+        dst[n++] = (uint8_t)b;
+        if (!set_push(js, &dst[n - 1], 1))
+            break;
+    }
+    e_restore(js, cp);
+    m->n_cps = cp;
+    m->n_hist = m->hist_at[cp];
+    return n;
+}
+
+static uint32_t e_key(void *self, uint8_t *dst, uint32_t cap) {
+    rudder_js *js = self;
+    js_matcher *m = js->m;
+    uint32_t need = 0;
+    for (uint32_t t = 0; t < m->n_cur; t++)
+        need += tsize(&m->cur[t]);
+    if (need > cap)
+        return need;
+    uint8_t *p = dst;
+    for (uint32_t t = 0; t < m->n_cur; t++) {
+        memcpy(p, &m->cur[t], tsize(&m->cur[t]));
+        p += tsize(&m->cur[t]);
+    }
+    return need;
+}
+
+void js_matcher_init(rudder_js *js) {
+    js_matcher *m = rudder_zalloc(sizeof *m);
+    if (!m)
+        rudder_panic("jsonschema: out of memory");
+    js->m = m;
+    m->cur = rudder_grow(NULL, &m->cap_cur, 4, sizeof(thread));
+    memset(&m->cur[0], 0, sizeof(thread));
+    m->cur[0].sp = 1;
+    m->n_cur = 1;
+    m->far = rudder_xalloc(js->n_nodes * 4 + 4);
+    memset(m->far, 0xff, js->n_nodes * 4 + 4);
+    for (uint32_t i = 0; i < js->n_nodes; i++)
+        m->far[i] = NONE - 1;
+    m->walk_cap = g_max_token + 4;
+    m->walk = rudder_xalloc(m->walk_cap * sizeof(thread));
+    m->ends = rudder_xalloc(m->walk_cap * 4);
+    m->sets = rudder_xalloc(m->walk_cap * 32);
+    m->spill = rudder_zalloc(m->walk_cap * sizeof(tlist));
+    if (!m->spill)
+        rudder_panic("jsonschema: out of memory");
+}
+
+rudder_engine rudder_js_engine(rudder_js *js) {
+    return (rudder_engine){.name = "json", .what = "valid JSON", .self = js, .push = e_push, .save = e_save,
+                           .restore = e_restore, .accepting = e_accepting, .walk = e_walk, .forced = e_forced,
+                           .key = e_key};
+}
