@@ -1,0 +1,102 @@
+"""The model's native CPU kernels (native/attention.c, linear.c, norm.c) as functions on tensors.
+
+Each function takes contiguous CPU tensors and passes their data pointers; the kernels run on
+torch's own OpenMP threads (native/parallel.c). `available()` says whether they can be used
+(built for this machine, a CPU device); model.py and packed_linear.py fall back to torch ops
+otherwise. Set RUDDER_NO_NATIVE=1 to turn them (and the other native code) off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+
+__all__ = ["available", "AttentionStep", "attention", "linear", "rms_norm", "OP_NONE", "OP_ADD", "OP_SWIGLU"]
+
+OP_NONE, OP_ADD, OP_SWIGLU = 0, 1, 2  # epilogues of the linear kernels (native/linear.c)
+
+# Rows below which a linear layer runs on one thread. A few rows are bound by memory bandwidth,
+# which one core already takes in full here (a 270 MB read: 6.7 GB/s on one thread, 6.4 on
+# two), and a second thread only adds a wake-up and a barrier per call - ~150 calls per decode
+# step, each waiting for the slower thread, which on a shared host may not even be running.
+SINGLE_THREAD_ROWS = 4
+
+_lib = None
+
+
+def _kernels():
+    global _lib
+    if _lib is None:
+        _lib = native.model_kernels() or False
+    return _lib or None
+
+
+def _threads(rows: int) -> int:
+    return 1 if rows < SINGLE_THREAD_ROWS else torch.get_num_threads()
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    return torch.device(device).type == "cpu" and _kernels() is not None
+
+
+class AttentionStep:
+    """What every layer's attention call of one forward pass shares: the tokens' positions,
+    KV slots, sequences and block tables, the RoPE tables and the shapes (one C struct, filled
+    once per step; the tensors are kept alive here)."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, seq_of: torch.Tensor, tables: torch.Tensor,
+                 block_size: int, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                 x_dtype: torch.dtype, cache_dtype: torch.dtype, scale: float):
+        self.keep = [t.contiguous() for t in (positions, slots, seq_of, tables)]
+        positions, slots, seq_of, tables = self.keep
+        s = self.struct = native.ffi.new("rudder_attn_step *")
+        s.tokens = positions.shape[0]
+        s.positions = native.ffi.cast("int64_t *", positions.data_ptr())
+        s.slots = native.ffi.cast("int64_t *", slots.data_ptr())
+        s.seq_of = native.ffi.cast("int64_t *", seq_of.data_ptr())
+        s.tables = native.ffi.cast("int64_t *", tables.data_ptr())
+        s.width, s.block_size = tables.shape[1], block_size
+        s.cos = native.ffi.cast("float *", cos.data_ptr())
+        s.sin = native.ffi.cast("float *", sin.data_ptr())
+        s.heads, s.kv_heads, s.head_dim = heads, kv_heads, head_dim
+        s.x_bf16 = x_dtype == torch.bfloat16
+        s.cache_bf16 = cache_dtype == torch.bfloat16
+        s.threads = _threads(positions.shape[0])
+        s.scale = scale
+
+
+def attention(step: AttentionStep, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE, the new tokens' K/V into the cache, attention over each sequence's cache:
+    qkv [T, (heads + 2 kv_heads) * head_dim] -> [T, heads * head_dim] (native/attention.c)."""
+    s = step.struct
+    out = torch.empty(qkv.shape[0], s.heads * s.head_dim, dtype=qkv.dtype)
+    if _kernels().rudder_attention(s, qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()):
+        raise ValueError(f"native attention does not take head_dim {s.head_dim} with {s.heads}/{s.kv_heads} heads")
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, op: int = OP_NONE,
+           scales: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
+    """out (bf16 or fp32) = x @ W.T with epilogue `op` (native/linear.c); x [m, k] contiguous;
+    `weight` packed by packed_linear.pack_blocks: bf16 (x bf16), or int8 with a scale and the sum
+    of the codes per column (`scales`, `sums`; x fp32 or bf16)."""
+    lib, rows, threads = _kernels(), x.shape[0], _threads(x.shape[0])
+    if weight.dtype == torch.int8:
+        lib.rudder_linear_i8(x.data_ptr(), x.dtype == torch.bfloat16, rows, x.shape[1], weight.data_ptr(),
+                             scales.data_ptr(), sums.data_ptr(), out.shape[1], out.data_ptr(),
+                             out.dtype == torch.bfloat16, op, threads)
+    else:
+        lib.rudder_linear_bf16(x.data_ptr(), rows, x.shape[1], weight.data_ptr(), out.shape[1], out.data_ptr(),
+                               out.dtype == torch.bfloat16, op, threads)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension of a contiguous [m, k] x (fp32 or
+    bf16; the result in x's dtype)."""
+    out = torch.empty_like(x)
+    _kernels().rudder_rms_norm(x.data_ptr(), x.dtype == torch.bfloat16, weight.data_ptr(),
+                               weight.dtype == torch.bfloat16, out.data_ptr(), out.dtype == torch.bfloat16,
+                               x.shape[0], x.shape[1], eps)
+    return out
