@@ -105,3 +105,30 @@ def test_low_precision_stays_close_to_fp32(smollm2_fp32, dtype, min_agreement, m
     assert result["tokens"] == 8 * 24
     assert result["agreement"] >= min_agreement, result
     assert 0 < result["max_logit_diff"] <= max_diff, result
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_the_one_call_decoder_is_the_composed_layers_bit_for_bit(dtype, monkeypatch):
+    """native/decoder.c runs every layer in one call; model.py's composed path (one kernel call
+    per op) must give the same logits exactly, for a prefill and a decode step."""
+    from rudder import model as model_module
+
+    model, tok = load_model("tiny", dtype=dtype)
+
+    def logits(use_stack: bool):
+        if not use_stack:
+            monkeypatch.setattr(model_module, "native_stack", lambda m: None)
+        engine = Engine(model, tok)
+        rows = []
+        run = engine.runner.run
+        engine.runner.run = lambda batch, *a: rows.append(run(batch, *a)) or rows[-1]
+        req = engine.add_request("The capital of France is", SamplingParams(max_tokens=6, temperature=0.0))
+        while not req.finished:
+            engine.step()
+        monkeypatch.undo()
+        return rows
+
+    stacked, composed = logits(True), logits(False)
+    assert model.native_stack is not None and len(stacked) == len(composed) == 6
+    assert all(torch.equal(a, b) for a, b in zip(stacked, composed))

@@ -1,4 +1,4 @@
-"""The model's native CPU kernels (native/attention.c, linear.c, norm.c) as functions on tensors.
+"""The model's native CPU kernels (native/attention.c, linear.c, norm.c, decoder.c) on tensors.
 
 Each function takes contiguous CPU tensors and passes their data pointers; the kernels run on
 torch's own OpenMP threads (native/parallel.c). `available()` says whether they can be used
@@ -12,7 +12,8 @@ import torch
 
 from . import native
 
-__all__ = ["available", "AttentionStep", "attention", "linear", "rms_norm", "OP_NONE", "OP_ADD", "OP_SWIGLU"]
+__all__ = ["available", "AttentionStep", "DecoderStack", "attention", "linear", "rms_norm", "OP_NONE", "OP_ADD",
+           "OP_SWIGLU"]
 
 OP_NONE, OP_ADD, OP_SWIGLU = 0, 1, 2  # epilogues of the linear kernels (native/linear.c)
 
@@ -77,19 +78,55 @@ def attention(step: AttentionStep, qkv: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, op: int = OP_NONE,
-           scales: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:
-    """out (bf16 or fp32) = x @ W.T with epilogue `op` (native/linear.c); x [m, k] contiguous;
-    `weight` packed by packed_linear.pack_blocks: bf16 (x bf16), or int8 with a scale and the sum
-    of the codes per column (`scales`, `sums`; x fp32 or bf16)."""
+           scales: torch.Tensor | None = None, sums: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out (bf16 or fp32) = x @ W.T (+ bias, fp32) with epilogue `op` (native/linear.c); x [m, k]
+    contiguous; `weight` packed by packed_linear.pack_blocks: bf16 (x bf16), or int8 with a scale
+    and the sum of the codes per column (`scales`, `sums`; x fp32 or bf16)."""
     lib, rows, threads = _kernels(), x.shape[0], _threads(x.shape[0])
+    b = 0 if bias is None else bias.data_ptr()
     if weight.dtype == torch.int8:
         lib.rudder_linear_i8(x.data_ptr(), x.dtype == torch.bfloat16, rows, x.shape[1], weight.data_ptr(),
-                             scales.data_ptr(), sums.data_ptr(), out.shape[1], out.data_ptr(),
+                             scales.data_ptr(), sums.data_ptr(), b, out.shape[1], out.data_ptr(),
                              out.dtype == torch.bfloat16, op, threads)
     else:
-        lib.rudder_linear_bf16(x.data_ptr(), rows, x.shape[1], weight.data_ptr(), out.shape[1], out.data_ptr(),
+        lib.rudder_linear_bf16(x.data_ptr(), rows, x.shape[1], weight.data_ptr(), b, out.shape[1], out.data_ptr(),
                                out.dtype == torch.bfloat16, op, threads)
     return out
+
+
+class DecoderStack:
+    """A model's decoder layers as native/decoder.c's descriptors, to run them all in one call.
+
+    `layers`: per layer, (norm1 weight, norm2 weight, qkv, o, gate_up, down), each linear given
+    as (packed weight, scales or None, sums or None, fp32 bias or None, output columns; for
+    gate_up, the columns of each half). Everything bf16 but the int8 weights and the biases."""
+
+    def __init__(self, layers: list[tuple], hidden: int, eps: float):
+        self.keep = []
+        self.hidden, self.eps, self.count = hidden, eps, len(layers)
+        self.array = native.ffi.new("rudder_layer[]", len(layers))
+        for entry, (norm1, norm2, *dense) in zip(self.array, layers):
+            entry.norm1, entry.norm2 = self._ptr(norm1), self._ptr(norm2)
+            for field, (weight, scales, sums, bias, n) in zip(("qkv", "o", "gate_up", "down"), dense):
+                d = getattr(entry, field)
+                d.w, d.scale, d.sum, d.bias = (self._ptr(t) for t in (weight, scales, sums, bias))
+                d.n, d.int8 = n, weight.dtype == torch.int8
+
+    def _ptr(self, t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        t = t.contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def run(self, step: AttentionStep, x: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """The layers over x ([T, hidden] bf16, contiguous; updated in place); kv_cache [layers,
+        2, blocks, block_size, kv heads, head dim], contiguous."""
+        stride = kv_cache[0, 0].numel()
+        if _kernels().rudder_decoder(self.array, self.count, step.struct, x.data_ptr(), self.hidden, self.eps,
+                                     kv_cache.data_ptr(), stride, _threads(x.shape[0])):
+            raise MemoryError("native decoder: no memory for a step's buffers")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import kernels
 from .config import ModelConfig
-from .packed_linear import Linear, prepare_linears
+from .packed_linear import Bf16Linear, Int8Linear, Linear, prepare_linears
 from .precision import activation_dtype, resolve
 
 
@@ -199,10 +199,41 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta:
     else:
         cos = model.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = model.rope_sin.index_select(0, positions).unsqueeze(1)
-    for i, layer in enumerate(model.layers):
-        x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+    stack = native_stack(model) if meta.native is not None and x.dtype == torch.bfloat16 else None
+    if stack is not None:  # every layer in one native call (native/decoder.c): the same kernels
+        x = x.contiguous()
+        stack.run(meta.native, x, kv_cache)
+    else:
+        for i, layer in enumerate(model.layers):
+            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
     meta.native = None
     return x
+
+
+def native_stack(model: nn.Module) -> kernels.DecoderStack | None:
+    """The model's layers for native/decoder.c, built on first use (None when a layer is not
+    made of native bf16 / int8 kernels: fp32, other devices, no native library). A model's
+    layers must not be swapped after its first forward pass."""
+    if getattr(model, "native_stack_of", None) is model.layers:
+        return model.native_stack
+    model.native_stack, model.native_stack_of = None, model.layers
+    eps, specs = None, []
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (not all(isinstance(lin, Bf16Linear | Int8Linear) and lin.out_dtype == torch.bfloat16 for lin in linears)
+                or not m.gate_up_proj.swiglu_layout or any(lin.bias is not None for lin in linears[1:])
+                or any(n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps for n in norms)
+                or eps not in (None, norms[0].eps)):
+            return None
+        eps = norms[0].eps
+        dense = [(lin.packed, lin.scales, lin.sums, lin.bias, lin.out_features) for lin in linears]
+        dense[2] = dense[2][:4] + (m.gate_up_proj.out_features // 2,)
+        specs.append((norms[0].weight, norms[1].weight, *dense))
+    if specs:
+        model.native_stack = kernels.DecoderStack(specs, model.cfg.hidden_size, eps)
+    return model.native_stack
 
 
 class LlamaModel(nn.Module):

@@ -191,7 +191,8 @@ class _NativeLinear(Linear):
         if half is not None:  # one half of a SwiGLU layer, as a plain product
             packed = packed.chunk(2)[half]
             scales, sums = (None, None) if scales is None else (scales.chunk(2)[half], sums.chunk(2)[half])
-        kernels.linear(self._input(x), packed, out, op, scales, sums)
+        bias = self.bias if half is None and op != kernels.OP_SWIGLU else None
+        kernels.linear(self._input(x), packed, out, op, scales, sums, bias)
         return out
 
     def _new(self, x: torch.Tensor, columns: int) -> torch.Tensor:
@@ -201,17 +202,15 @@ class _NativeLinear(Linear):
         if self.swiglu_layout:  # both halves, gate then up
             half = self.out_features // 2
             return torch.cat([self._run(x, self._new(x, half), kernels.OP_NONE, h) for h in (0, 1)], -1)
-        out = self._run(x, self._new(x, self.out_features), kernels.OP_NONE)
-        return out if self.bias is None else out.add_(self.bias.to(out.dtype))
+        return self._run(x, self._new(x, self.out_features), kernels.OP_NONE)
 
     def add_into(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if (self.bias is not None or self.swiglu_layout or residual.dtype != self.out_dtype
-                or not residual.is_contiguous()):
+        if self.swiglu_layout or residual.dtype != self.out_dtype or not residual.is_contiguous():
             return super().add_into(x, residual)
         return self._run(x, residual, kernels.OP_ADD)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.swiglu_layout:
+        if not self.swiglu_layout or self.bias is not None:
             return super().swiglu(x)
         return self._run(x, self._new(x, self.out_features // 2), kernels.OP_SWIGLU)
 

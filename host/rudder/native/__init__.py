@@ -5,7 +5,7 @@ builds controllers) and called through cffi.
 `mask_kernel()` returns the kernel, or None when it cannot be built (no zig, an odd platform;
 the reason is in `unavailable_reason`): callers then use their numpy path. `deadline.c` is the
 sandbox's CPU-time deadline (controller/instance.py); without it deadlines are wall-clock.
-`model_kernels()` gives the model's kernels (attention.c, linear.c, norm.c; model.py and
+`model_kernels()` gives the model's kernels (attention.c, linear.c, norm.c, decoder.c; model.py and
 packed_linear.py call them through `rudder.kernels`), running on torch's own OpenMP threads
 (parallel.c), or None.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import cffi
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("mask.c", "ticker.c", "deadline.c", "parallel.c", "attention.c", "linear.c", "norm.c")]
+           for name in ("mask.c", "ticker.c", "deadline.c", "parallel.c", "attention.c", "linear.c", "norm.c", "decoder.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]
 _CDEF = """
 void rudder_apply_mask(float *logits, const uint32_t *words, size_t n_tokens);
@@ -51,10 +51,18 @@ typedef struct rudder_attn_step {
 _CDEF_MODEL = """
 int rudder_linear_init(void);
 int rudder_attention(const rudder_attn_step *s, uintptr_t qkv, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out);
-void rudder_linear_bf16(uintptr_t x, int64_t m, int64_t k, uintptr_t w, int64_t n, uintptr_t out, int32_t out_bf16,
-                        int32_t op, int32_t threads);
+void rudder_linear_bf16(uintptr_t x, int64_t m, int64_t k, uintptr_t w, uintptr_t bias, int64_t n, uintptr_t out,
+                        int32_t out_bf16, int32_t op, int32_t threads);
 void rudder_linear_i8(uintptr_t x, int32_t x_bf16, int64_t m, int64_t k, uintptr_t w, uintptr_t wscale, uintptr_t wsum,
-                      int64_t n, uintptr_t out, int32_t out_bf16, int32_t op, int32_t threads);
+                      uintptr_t bias, int64_t n, uintptr_t out, int32_t out_bf16, int32_t op, int32_t threads);
+typedef struct rudder_dense {
+    uintptr_t w, scale, sum, bias; int64_t n; int32_t int8;
+} rudder_dense;
+typedef struct rudder_layer {
+    uintptr_t norm1, norm2; rudder_dense qkv, o, gate_up, down;
+} rudder_layer;
+int rudder_decoder(const rudder_layer *layers, int64_t n_layers, const rudder_attn_step *step, uintptr_t x,
+                   int64_t hidden, float eps, uintptr_t kv, int64_t layer_stride, int32_t threads);
 void rudder_rms_norm(uintptr_t x, int32_t x_bf16, uintptr_t weight, int32_t w_bf16, uintptr_t out, int32_t out_bf16,
                      int64_t m, int64_t k, float eps);
 """

@@ -23,19 +23,6 @@
  */
 #include "kernels.h"
 
-typedef struct rudder_attn_step {
-    int64_t tokens;           /* T new tokens */
-    const int64_t *positions; /* [T] position of each token in its sequence */
-    const int64_t *slots;     /* [T] its flat KV slot (block * block_size + offset) */
-    const int64_t *seq_of;    /* [T] row of `tables` of its sequence */
-    const int64_t *tables;    /* [B, width] block tables */
-    int64_t width, block_size;
-    const float *cos, *sin;   /* [max_position, head_dim] RoPE tables (rotate-half layout) */
-    int64_t heads, kv_heads, head_dim;
-    int32_t x_bf16, cache_bf16, threads;
-    float scale;
-} rudder_attn_step;
-
 typedef struct {
     const rudder_attn_step *s;
     const void *qkv;

@@ -13,6 +13,29 @@
 typedef void (*rudder_chunk_fn)(void *ctx, int64_t i);
 void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads);
 
+/* What every layer's attention call of one step shares (attention.c). */
+typedef struct rudder_attn_step {
+    int64_t tokens;           /* T new tokens */
+    const int64_t *positions; /* [T] position of each token in its sequence */
+    const int64_t *slots;     /* [T] its flat KV slot (block * block_size + offset) */
+    const int64_t *seq_of;    /* [T] row of `tables` of its sequence */
+    const int64_t *tables;    /* [B, width] block tables */
+    int64_t width, block_size;
+    const float *cos, *sin;   /* [max_position, head_dim] RoPE tables (rotate-half layout) */
+    int64_t heads, kv_heads, head_dim;
+    int32_t x_bf16, cache_bf16, threads;
+    float scale;
+} rudder_attn_step;
+
+int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, void *v_cache, void *out);
+void rudder_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
+                        void *out, int32_t out_bf16, int32_t op, int32_t threads);
+void rudder_linear_i8(const void *x, int32_t x_bf16, int64_t m, int64_t k, const int8_t *w, const float *wscale,
+                      const int32_t *wsum, const float *bias, int64_t n, void *out, int32_t out_bf16, int32_t op,
+                      int32_t threads);
+void rudder_rms_norm(const void *x, int32_t x_bf16, const void *weight, int32_t w_bf16, void *out, int32_t out_bf16,
+                     int64_t m, int64_t k, float eps);
+
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));

@@ -29,7 +29,7 @@
  *
  * Epilogues (`op`): 0 none; 1 out += y (the residual stream, in place); 2 SwiGLU: the weight
  * holds the gate columns then the up columns (each padded to whole blocks) and out[:, j] =
- * silu(gate_j) * up_j.
+ * silu(gate_j) * up_j. A bias (fp32, optional) is added to y first.
  */
 #include <stdlib.h>
 
@@ -83,6 +83,7 @@ typedef struct {
     const void *w;       /* packed blocks, bf16 or int8 */
     const float *wscale; /* int8: [columns] in packed order (halves padded apart) */
     const int32_t *wsum; /* int8: [columns] each column's sum of codes */
+    const float *bias;   /* [n] fp32, added before the epilogue, or NULL (not with SwiGLU) */
     void *out;           /* [m, n] */
     int out_bf16, op, int8, amx;
     int64_t mpad;        /* AMX: rows padded to whole tiles */
@@ -115,6 +116,11 @@ static void finish(const lin *L, int64_t i, int64_t blk, const acc16 *a, int64_t
         y = y / (1.0f + exp16(-y)) * u;
     }
     int64_t col0 = blk * 16, cols = L->n - col0 < 16 ? L->n - col0 : 16, at = i * L->n + col0;
+    if (L->bias != 0) {
+        float b[16] = {0};
+        memcpy(b, L->bias + col0, (size_t)cols * sizeof(float));
+        y += load16_f32(b);
+    }
     if (cols == 16) {
         if (L->op == OP_ADD)
             y += load16(L->out, L->out_bf16, at);
@@ -396,9 +402,9 @@ static void *padded(const void *x, int64_t m, int64_t mpad, int64_t row_bytes) {
     return buf;
 }
 
-void rudder_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, void *out,
-                        int32_t out_bf16, int32_t op, int32_t threads) {
-    lin L = {x, 0, 0, 0, m, k, n, w, 0, 0, out, out_bf16, op, 0, 0, m};
+void rudder_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
+                        void *out, int32_t out_bf16, int32_t op, int32_t threads) {
+    lin L = {x, 0, 0, 0, m, k, n, w, 0, 0, bias, out, out_bf16, op, 0, 0, m};
     void *pad = 0;
 #ifdef HAVE_AMX
     if (amx_usable && k % 32 == 0) { /* every row through the tiles, so every row alike */
@@ -432,7 +438,8 @@ static void planes(const void *x, int x_bf16, int64_t m, int64_t k, uint8_t *lo,
 }
 
 void rudder_linear_i8(const void *x, int32_t x_bf16, int64_t m, int64_t k, const int8_t *w, const float *wscale,
-                      const int32_t *wsum, int64_t n, void *out, int32_t out_bf16, int32_t op, int32_t threads) {
+                      const int32_t *wsum, const float *bias, int64_t n, void *out, int32_t out_bf16, int32_t op,
+                      int32_t threads) {
     int64_t mpad = (m + 15) / 16 * 16;
     uint8_t *buf = (uint8_t *)aligned_alloc(64, (size_t)(2 * mpad * k + 63) / 64 * 64);
     float *scales = (float *)malloc((size_t)mpad * sizeof(float));
@@ -441,7 +448,7 @@ void rudder_linear_i8(const void *x, int32_t x_bf16, int64_t m, int64_t k, const
     memset(buf, 0, (size_t)(2 * mpad * k));
     uint8_t *lo = buf, *hi = buf + mpad * k;
     planes(x, x_bf16, m, k, lo, hi, scales);
-    lin L = {0, lo, hi, scales, m, k, n, w, wscale, wsum, out, out_bf16, op, 1, 0, mpad};
+    lin L = {0, lo, hi, scales, m, k, n, w, wscale, wsum, bias, out, out_bf16, op, 1, 0, mpad};
 #ifdef HAVE_AMX
     L.amx = amx_usable && m >= AMX_MIN_ROWS_I8 && k % 64 == 0;
 #endif
