@@ -1,7 +1,7 @@
 """The model's native CPU kernels (native/attention.c, linear.c, norm.c, decoder.c) on tensors.
 
-Each function takes contiguous CPU tensors and passes their data pointers; the kernels run on
-torch's own OpenMP threads (native/parallel.c). `available()` says whether they can be used
+Each function takes contiguous CPU tensors and passes their data pointers; the kernels split
+their work over `torch.get_num_threads()` threads of their own (native/parallel.c). `available()` says whether they can be used
 (built for this machine, a CPU device); model.py and packed_linear.py fall back to torch ops
 otherwise. Set RUDDER_NO_NATIVE=1 to turn them (and the other native code) off.
 """
@@ -17,10 +17,9 @@ __all__ = ["available", "AttentionStep", "DecoderStack", "attention", "linear", 
 
 OP_NONE, OP_ADD, OP_SWIGLU = 0, 1, 2  # epilogues of the linear kernels (native/linear.c)
 
-# Rows below which a linear layer runs on one thread. A few rows are bound by memory bandwidth,
-# which one core already takes in full here (a 270 MB read: 6.7 GB/s on one thread, 6.4 on
-# two), and a second thread only adds a wake-up and a barrier per call - ~150 calls per decode
-# step, each waiting for the slower thread, which on a shared host may not even be running.
+# Rows below which a kernel runs on one thread. A few rows are bound by memory bandwidth, which
+# one core already takes in full here (a 270 MB read: 6.7 GB/s on one thread, 6.4 on two), and
+# a second thread would only add a hand-over per call (~150 calls per decode step).
 SINGLE_THREAD_ROWS = 4
 
 _lib = None

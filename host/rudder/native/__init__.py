@@ -6,8 +6,8 @@ builds controllers) and called through cffi.
 the reason is in `unavailable_reason`): callers then use their numpy path. `deadline.c` is the
 sandbox's CPU-time deadline (controller/instance.py); without it deadlines are wall-clock.
 `model_kernels()` gives the model's kernels (attention.c, linear.c, norm.c, decoder.c; model.py and
-packed_linear.py call them through `rudder.kernels`), running on torch's own OpenMP threads
-(parallel.c), or None.
+packed_linear.py call them through `rudder.kernels`), with helper threads of their own that the
+caller never waits for unless they took work (parallel.c), or None.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ typedef struct rudder_deadline {
 void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall_budget_ns);
 int64_t rudder_deadline_left_ns(const rudder_deadline *d);
 void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8_t *kind);
-void rudder_set_gomp(void *gomp_parallel);
 typedef struct rudder_attn_step {
     int64_t tokens; const int64_t *positions; const int64_t *slots; const int64_t *seq_of; const int64_t *tables;
     int64_t width, block_size; const float *cos, *sin; int64_t heads, kv_heads, head_dim;
@@ -119,36 +118,12 @@ def library():
         return None
 
 
-def _gomp_parallel_address() -> int | None:
-    """The address of GOMP_parallel in the OpenMP runtime torch has loaded (libgomp, or Intel's
-    libiomp, which exports the same entry point), so that our kernels run on torch's threads."""
-    import ctypes
-
-    import torch  # noqa: F401  (loads the runtime)
-
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    paths = sorted({line.split()[-1] for line in maps.splitlines()
-                    if line.split()[-1:] and ("libgomp" in line or "libiomp" in line)})
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            return ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
 @functools.cache
 def model_kernels():
-    """The native library with the model's kernels wired to torch's OpenMP team, or None."""
+    """The native library, set up for the model's kernels, or None."""
     lib = library()
     if lib is None:
         return None
-    address = _gomp_parallel_address()
-    lib.rudder_set_gomp(ffi.cast("void *", address or 0))
     if not os.environ.get("RUDDER_NO_AMX"):
         lib.rudder_linear_init()  # AMX tiles, where the CPU and the OS offer them
     return lib
