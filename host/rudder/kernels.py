@@ -17,10 +17,12 @@ __all__ = ["available", "AttentionStep", "DecoderStack", "attention", "linear", 
 
 OP_NONE, OP_ADD, OP_SWIGLU = 0, 1, 2  # epilogues of the linear kernels (native/linear.c)
 
-# Rows below which a kernel runs on one thread. A few rows are bound by memory bandwidth, which
-# one core already takes in full here (a 270 MB read: 6.7 GB/s on one thread, 6.4 on two), and
-# a second thread would only add a hand-over per call (~150 calls per decode step).
-SINGLE_THREAD_ROWS = 4
+# Rows below which a kernel runs on one thread. Up to a tile of 16 rows a bf16 layer costs what
+# one row costs (AMX pads them: the weights' bytes set the time), and one core already takes the
+# memory bandwidth in full here (a 270 MB read: 6.7 GB/s on one thread, 6.4 on two); a second
+# thread then only adds a hand-over per call (~150 per step). Measured on this shared host, a
+# 5-row bf16 forward (a speculative verification) took 29 ms on 1 thread and 42 on 2.
+SINGLE_THREAD_ROWS = 16
 
 _lib = None
 

@@ -48,7 +48,7 @@
 
 #define MR 6    /* input rows per block (vector path; int8 takes 3: two accumulators each) */
 #define GROUP 4 /* column blocks per work item */
-#define AMX_MIN_ROWS_I8 16 /* int8: AMX tiles from this many rows (the same integers either way) */
+#define AMX_MIN_ROWS_I8 8 /* int8: AMX tiles from this many rows (the same integers either way) */
 
 enum { OP_NONE = 0, OP_ADD = 1, OP_SWIGLU = 2 };
 
@@ -88,6 +88,15 @@ typedef struct {
     int out_bf16, op, int8, amx;
     int64_t mpad;        /* AMX: rows padded to whole tiles */
 } lin;
+
+static inline float hmax16_f(v16f v) {
+    float s[16];
+    memcpy(s, &v, sizeof s);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++)
+            s[i] = s[i] > s[i + w] ? s[i] : s[i + w];
+    return s[0];
+}
 
 /* ---- epilogue ------------------------------------------------------------------------------ */
 
@@ -421,17 +430,32 @@ void rudder_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t 
 
 /* x (fp32 or bf16 rows) as 16-bit integers with a scale per row, split into two byte planes. */
 static void planes(const void *x, int x_bf16, int64_t m, int64_t k, uint8_t *lo, uint8_t *hi, float *scales) {
+    int64_t vk = k / 16 * 16;
     for (int64_t i = 0; i < m; i++) {
-        float top = 0.0f;
-        for (int64_t c = 0; c < k; c++) {
-            float v = fabsf(load1(x, x_bf16, i * k + c));
+        int64_t row = i * k;
+        v16f top16 = {0};
+        for (int64_t c = 0; c < vk; c += 16)
+            top16 = __builtin_elementwise_max(top16, __builtin_elementwise_abs(load16(x, x_bf16, row + c)));
+        float top = hmax16_f(top16);
+        for (int64_t c = vk; c < k; c++) {
+            float v = fabsf(load1(x, x_bf16, row + c));
             top = v > top ? v : top;
         }
         float scale = top > 0.0f ? top / 32767.0f : 1.0f, inv = 1.0f / scale;
-        for (int64_t c = 0; c < k; c++) {
-            int32_t q = (int32_t)lrintf(load1(x, x_bf16, i * k + c) * inv);
-            lo[i * k + c] = (uint8_t)(q & 0xff);
-            hi[i * k + c] = (uint8_t)((q >> 8) + 128); /* signed high byte, made unsigned */
+        for (int64_t c = 0; c < vk; c += 16) {
+            /* round half to even, as lrintf: the values are within +-32767, so the float sum
+             * with 1.5 * 2^23 rounds them in the FPU's default mode */
+            v16f r = load16(x, x_bf16, row + c) * inv + 12582912.0f;
+            v16i q = __builtin_convertvector(r - 12582912.0f, v16i);
+            for (int j = 0; j < 16; j++) {
+                lo[row + c + j] = (uint8_t)(q[j] & 0xff);
+                hi[row + c + j] = (uint8_t)((q[j] >> 8) + 128); /* signed high byte, made unsigned */
+            }
+        }
+        for (int64_t c = vk; c < k; c++) {
+            int32_t q = (int32_t)lrintf(load1(x, x_bf16, row + c) * inv);
+            lo[row + c] = (uint8_t)(q & 0xff);
+            hi[row + c] = (uint8_t)((q >> 8) + 128);
         }
         scales[i] = scale;
     }
