@@ -75,7 +75,7 @@ def run_once(llm, prompt, mode, tokens, k, controller, arg):
 
 
 def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
-    rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": [], "cpu_ratio": []}
+    rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": [], "cpu_ratio": [], "errors": []}
             for m in [None, *modes]}
     order = [None, *modes]
     run_once(llm, prompt, None, 8, k, controller, arg)  # warm-up (controller build, caches)
@@ -90,6 +90,8 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
             r = rows[m]
             r["seconds"].append(seconds)
             r["tokens"].append(len(out.token_ids))
+            if out.finish_reason == "error":  # e.g. a controller deadline on a loaded host: said, not hidden
+                r["errors"].append(out.error)
             if out.speculative:
                 r["stats"].append(out.speculative)
         for m in modes:
@@ -112,6 +114,7 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
             "tokens_per_target_forward": (float(np.sum(r["tokens"]) / sum(s["target_forwards"] for s in st))
                                           if st else 1.0),
             "same_as_plain": r["same"] if m else True,
+            "errors": r["errors"],
         })
     return table
 
@@ -165,7 +168,8 @@ def main() -> None:
     for r in table:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['task']:12} {r['mode']:7} {r['controller']:10} {r['tokens']:6d} {r['tokens_per_s']:7.1f} "
-              f"{r['speedup']:6.2f}x {r['cpu_speedup']:5.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}")
+              f"{r['speedup']:6.2f}x {r['cpu_speedup']:5.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}"
+              + (f"  errors: {len(r['errors'])} ({r['errors'][0]})" if r["errors"] else ""))
     speeds = []
     if args.draft_speed:
         speeds = draft_speed(llm, ["int8", "layers:10", "layers:6"])

@@ -7,6 +7,8 @@ Speculative sampling must follow the target's distribution (chi-square against t
 
 from types import SimpleNamespace
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -371,3 +373,30 @@ def test_smollm2_greedy_speculation_is_exact_with_wasm_controllers(smol, control
     if controller != "force":  # force fast-forwards everything at once: no decoding step to speculate on
         assert out.speculative["spec_steps"] > 0
     check_caches_empty(smol)
+
+
+def test_the_guard_stops_drafting_that_is_measured_slower_and_backs_off_longer_each_time():
+    """Drafting steps that yield fewer tokens per second than plain steps stop for a while
+    (8 steps, then 16, ...); drafting that pays goes on. Driven by a fake clock."""
+    from rudder.engine.speculative import BACKOFF, GUARD_SAMPLES
+
+    def drive(ad, spec_rate, plain_rate, steps):
+        clock, length, plan = 0.0, 0, []
+        for _ in range(steps):
+            ad.step(clock, length)
+            k = ad.guard(4, plain_first=True)
+            plan.append(k)
+            ad.began(clock, length, k > 0)
+            length += 5 if k else 1
+            clock += 5 / spec_rate if k else 1 / plain_rate
+        ad.step(clock, length)
+        return plan
+
+    losing = drive(_Adaptive(), spec_rate=20.0, plain_rate=30.0, steps=80)
+    assert losing[:GUARD_SAMPLES] == [0] * GUARD_SAMPLES  # plain first: the rate to beat
+    runs = [len(list(g)) for is_plain, g in itertools.groupby(k == 0 for k in losing) if is_plain][1:]
+    assert runs[:2] == [BACKOFF + 1, 2 * BACKOFF + 1]  # the deciding step, then a back-off twice as long each time
+    assert sum(k > 0 for k in losing) < 20  # drafting is mostly off (a few steps to judge each try)
+
+    winning = drive(_Adaptive(), spec_rate=60.0, plain_rate=30.0, steps=80)
+    assert sum(k > 0 for k in winning) > 70  # drafting goes on, with a plain step now and then
