@@ -114,7 +114,7 @@ def measure_e2e(batches=(1, 4), steps: int = 240) -> list[dict]:
 
     from rudder import LLM
 
-    llm = LLM("smollm2")
+    llm = LLM("smollm2")  # the default precision: bf16 where the CPU has it (rudder/precision.py)
     wasm = wasm_of(full_mask_wat())
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     prompts = ["The history of sailing ships", "A rudder is", "Write a poem about the sea", "Ships and boats"]
@@ -123,19 +123,19 @@ def measure_e2e(batches=(1, 4), steps: int = 240) -> list[dict]:
     for batch in batches:
         reqs = [llm.engine.add_request(p, params, llm.start_controller(wasm)) for p in prompts[:batch]]
         seqs = [r.seqs[0] for r in reqs]
-        controllers = [s.controller for s in seqs]
+        cursors = [s.cursor for s in seqs]  # (a sequence's controller lives in its cursor)
         for _ in range(3):  # prefill and warm-up
             llm.engine.step()
         arms = {"plain": [], "controller": []}
         for _ in range(steps):
             arm = coin.choice(list(arms))
-            for seq, ctl in zip(seqs, controllers):
-                seq.controller = ctl if arm == "controller" else None
+            for seq, cursor in zip(seqs, cursors):
+                seq.cursor = cursor if arm == "controller" else None
             t0 = time.perf_counter()
             llm.engine.step()
             arms[arm].append(time.perf_counter() - t0)
-        for seq, ctl in zip(seqs, controllers):
-            seq.controller = ctl
+        for seq, cursor in zip(seqs, cursors):
+            seq.cursor = cursor
         for r in reqs:
             llm.engine.cancel(r.request_id)
         p, c = float(np.median(arms["plain"])), float(np.median(arms["controller"]))
