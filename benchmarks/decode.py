@@ -117,9 +117,13 @@ class LlamaCpp:
     name = "llama.cpp Q4_1"
 
     def __init__(self, threads: int, max_seqs: int, n_ctx: int):
+        import logging
+
         import llama_cpp.llama_cpp as C  # noqa: N812
 
         from rudder.model_files import gguf_path
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its loader logs every tensor
 
         self.C = C
         C.llama_backend_init()
