@@ -3,18 +3,24 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+JS_STAMP := node_modules/.installed-stamp
 
 .PHONY: demo test setup bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(JS_STAMP)
 
 # torch is pinned to the local CPU build (constraints.txt) so no multi-GB CUDA build is pulled.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,ref]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,ref,components]"
 	touch $(STAMP)
+
+# JavaScript controllers: componentize-js into the project's own node_modules (package.json).
+$(JS_STAMP): package.json
+	npm install --no-audit --no-fund --loglevel=error
+	touch $(JS_STAMP)
 
 demo: setup
 	$(VENV)/bin/rudder fetch-model
@@ -36,4 +42,4 @@ bench: setup
 	$(PY) benchmarks/decode.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) node_modules .pytest_cache .hypothesis

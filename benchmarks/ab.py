@@ -1,6 +1,6 @@
 """A/B a benchmark between two checkouts in one run: before vs after a change, paired.
 
-    .venv/bin/python benchmarks/ab.py --base ../rudder-before [--rounds 6] [--keys 'rows.*.rudder.decode_tok_s'] \\
+    .venv/bin/python benchmarks/ab.py --base ../rudder-before [--rounds 6] [--keys 'rows.*.rudder.*,*median_us'] \\
         -- decode.py --batches 1 4 --no-transformers --rounds 1
 
 Runs `<checkout>/benchmarks/<script> ARGS --json FILE` for the base checkout and this one in
@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", type=Path, required=True, help="the other checkout (e.g. a git worktree of main)")
     ap.add_argument("--rounds", type=int, default=6, help="pairs of runs (ABBA order)")
-    ap.add_argument("--keys", nargs="*", default=["*"], help="patterns over the JSON's dotted paths")
+    ap.add_argument("--keys", default="*", help="comma-separated patterns over the JSON's dotted paths")
     ap.add_argument("--json", type=Path, help="also write the comparison here")
     ap.add_argument("script", help="a script of benchmarks/, then -- and its arguments")
     ap.add_argument("args", nargs=argparse.REMAINDER)
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
         for side in order:
             runs[side].append(run_once(sides[side], args.script, args.args))
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
-    keys = sorted(k for k in runs["new"][0] if k in runs["base"][0] and any(fnmatch.fnmatch(k, p) for p in args.keys))
+    keys = sorted(k for k in runs["new"][0] if k in runs["base"][0] and any(fnmatch.fnmatch(k, p) for p in args.keys.split(",")))
     rng = np.random.default_rng(0)
     rows = []
     print(f"{args.script} {' '.join(args.args)}: base {sides['base']} vs new {sides['new']}, {args.rounds} pairs")

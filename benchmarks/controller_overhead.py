@@ -17,6 +17,14 @@ Rows:
 - load: compile, in-memory cache hit, on-disk cache hit (a new runtime, deserialize).
 - step total: the whole host share of a sequence-step with that controller: mid_process plus
   applying its mask to a row of logits (Sampler.apply_masks). `apply` alone is listed too.
+- languages (--languages): the same controllers written in C (core modules), Python and
+  JavaScript (components, docs/components.md), same run, same vocabulary: start (a request on
+  a cached, initialised controller), a trivial step (`fork` with argument 1: sample, no mask),
+  a JSON-mask step (C: the `json` controller; Python/JS: `json_then_stop`, which hands the span
+  to it) walking a fixed document token by token, fork (copy a live controller holding a
+  200-token sequence: a component's fork cost grows with its saved state), and RSS per
+  live instance (20 started, RSS delta / 20). Goals: start <= 10 ms, trivial step <= 50 us,
+  JSON step <= C's + 50 us, RSS <= 8 MiB per instance.
 - with --e2e: SmolLM2 greedy decode tokens/s with the full-mask controller on every sequence vs
   no controller (batch 1 and 4, A/B per step): the controller runs during the forward pass, so
   the ratio shows what is left of its cost.
@@ -76,12 +84,11 @@ def measure_overhead(tokenizer, calls: int = 20000) -> dict:
         tokens = [5]
         step = _stats(_timed(lambda: ctl.mid_process(0, 0, tokens), calls))
         inst = ctl._inst
-        func = inst.funcs["rudder_mid_process"]
         ticks = ctl._ticks
 
         def raw():
             inst.vals_i32[8] = 0
-            inst.call_func(func, "rudder_mid_process", 3, ticks, 25)
+            inst.call("rudder_mid_process", 3, ticks, 25)
 
         raw_stats = _stats(_timed(raw, calls))
 
@@ -196,6 +203,81 @@ def measure_load(tokenizer, n: int = 50) -> dict:
     return {"wasm_bytes": len(wasm), "compile_ms": compile_s * 1e3, "memory_hit": memory, "disk_hit": disk}
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+DOCUMENT = '{"name":"Ada Lovelace","age":36,"tags":["mathematician","writer","analyst"]}'
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def measure_languages(tokenizer, calls: int = 2000) -> list[dict]:
+    """C vs Python vs JavaScript controllers in one runtime (see the module docstring)."""
+    from component_util import example
+
+    from rudder.controller.build import builtin_controller
+
+    sources = {"C": {"trivial": builtin_controller("fork").read_bytes(), "json": builtin_controller("json").read_bytes()},
+               "Python": {"trivial": example("fork"), "json": example("json_then_stop")},
+               "JS": {"trivial": example("js/fork"), "json": example("js/json_then_stop")}}
+    doc = tokenizer.encode(DOCUMENT)
+    schema = json.dumps(PERSON)
+    rows = []
+    with ControllerRuntime(tokenizer) as rt:
+        for lang, wasm in sources.items():
+            trivial, jsonc = rt.load(wasm["trivial"]), rt.load(wasm["json"])
+            rt.start(trivial, "1").close()  # init runs once per module
+            start = _stats(_timed(lambda: rt.start(trivial, "1").close(), 60, warmup=5))
+            ctl = rt.start(trivial, "1")
+            ctl.mid_process(0, 0, list(range(1, 101)))  # a 100-token prompt ...
+            for t in range(100):
+                ctl.mid_process(0, 0, [t])               # ... and 100 generated: what a fork copies
+            fork = _stats(_timed(lambda: ctl.fork().close(), 40, warmup=3))
+            step = _stats(_timed(lambda: ctl.mid_process(0, 0, [5]), calls))
+            ctl.close()
+
+            def walk():
+                c = rt.start(jsonc, schema)
+                c.mid_process(0, 0, [1, 2])  # the prompt (Python/JS: the hand-off starts here)
+                times = []
+                for tok in doc:
+                    t0 = time.perf_counter()
+                    answer = c.mid_process(0, 0, [tok])
+                    times.append(time.perf_counter() - t0)
+                    if not answer:
+                        break
+                c.close()
+                return times
+
+            walk()
+            json_times = [t for _ in range(8) for t in walk()]
+            live = []
+            before = _rss()
+            for _ in range(20):
+                c = rt.start(trivial, "1")
+                c.mid_process(0, 0, [1, 2, 3])
+                live.append(c)
+            rss = (_rss() - before) / len(live)
+            for c in live:
+                c.close()
+            rows.append({"language": lang, "start": start, "trivial_step": step, "json_step": _stats(json_times),
+                         "fork": fork, "rss_per_instance_mib": rss / (1 << 20),
+                         "wasm_bytes": len(wasm["trivial"])})
+    return rows
+
+
+def print_languages(rows: list[dict]) -> None:
+    print(f"{'language':<9} {'start ms':>9} {'trivial step us':>16} {'JSON step us':>13} {'fork ms':>8} "
+          f"{'RSS/instance MiB':>17} {'module MB':>10}")
+    for r in rows:
+        print(f"{r['language']:<9} {r['start']['median_us'] / 1e3:>9.2f} {r['trivial_step']['median_us']:>16.1f} "
+              f"{r['json_step']['median_us']:>13.1f} {r['fork']['median_us'] / 1e3:>8.2f} "
+              f"{r['rss_per_instance_mib']:>17.2f} {r['wasm_bytes'] / 1e6:>10.1f}")
+
+
 def print_table(results: dict) -> None:
     print(f"{'what':<38} {'median':>10} {'p99':>10}")
     for row in results["overhead"]:
@@ -229,6 +311,7 @@ def main(argv=None) -> dict:
                     "(needs the model in $RUDDER_HOME); else a synthetic 49152-token vocabulary")
     ap.add_argument("--e2e", action="store_true", help="also time SmolLM2 decode with and without a controller")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--languages", action="store_true", help="only the C / Python / JavaScript rows")
     args = ap.parse_args(argv)
 
     vocab_49k = Tokenizer.byte_level(vocab_size=49152)
@@ -238,6 +321,15 @@ def main(argv=None) -> dict:
         from rudder.model_files import model_dir
 
         start_tok = Tokenizer.from_folder(model_dir())
+    if args.languages:
+        tok = start_tok if args.smollm2 else vocab_49k
+        results = {"machine": platform.platform(), "vocab": "smollm2" if args.smollm2 else tok.vocab_size,
+                   "languages": measure_languages(tok, min(args.calls, 5000))}
+        print_languages(results["languages"])
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2))
+        return results
     results = {
         "machine": platform.platform(),
         "overhead": [measure_overhead(vocab_49k, args.calls), measure_overhead(vocab_128k, args.calls)],
@@ -247,7 +339,9 @@ def main(argv=None) -> dict:
     }
     if args.e2e:
         results["e2e"] = measure_e2e()
+    results["languages"] = measure_languages(start_tok, min(args.calls, 5000))
     print_table(results)
+    print_languages(results["languages"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

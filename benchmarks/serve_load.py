@@ -1,17 +1,19 @@
-"""Load on the HTTP server: N concurrent streaming clients with mixed controllers, on loopback.
+"""Load on the HTTP server: N concurrent streaming clients, half of them constrained, on loopback.
 
-    .venv/bin/python benchmarks/serve_load.py [--model smollm2] [--clients 8] [--requests 3]
-        [--max-tokens 32] [--time-limit 300] [--json benchmarks/results/serve_load.json]
+    .venv/bin/python benchmarks/serve_load.py [--model smollm2] [--clients 32] [--requests 2]
+        [--max-tokens 32] [--time-limit 600] [--json benchmarks/results/serve_load.json]
 
-Starts `rudder serve` as a subprocess on 127.0.0.1 (a free port), warms it up with one request
-of each kind, then each client sends `--requests` streaming requests one after another, cycling
-through the mix (no controller, fork 2, force, choices, backtrack, and json/regex when those
-built-ins exist; every fourth request goes through /v1/chat/completions). Bounded: the run stops
-at `--time-limit` seconds (unfinished requests count as errors).
+Starts `rudder serve` as a subprocess on 127.0.0.1 (a free port, a fresh state directory), warms
+it up with one request of each kind, then each client sends `--requests` streaming requests one
+after another, cycling through the mix: unconstrained (chat, a legacy completion, /v1/run with
+fork 2, /v1/run with the backtrack controller) and constrained (response_format json_schema,
+guided_regex, structured_outputs choice, a required tool call). Bounded: the run stops at
+`--time-limit` seconds (unfinished requests count as errors).
 
-Reported: generated tokens/s (all clients), time to first token (first event carrying tokens)
-and inter-token latency (gap between token-carrying events) p50/p99, errors (goal: 0), and the
-server's RSS after warm-up and after the load (goal: back within 10%).
+Reported: time to first token, inter-token latency, end-to-end and queue time percentiles (p50,
+p90, p99) from the server's own Prometheus histograms over the measured run (bucket counts after
+minus before, interpolated as histogram_quantile does), the same TTFT/ITL as the clients saw them,
+generated tokens/s, errors (goal: 0), and the server's RSS after warm-up and after the load.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,17 +34,31 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "host"))
 
+from rudder.server.metrics import LATENCY_BUCKETS, quantile  # noqa: E402
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"]}}}
+# (name, constrained, endpoint, extra body)
 MIX = [
-    ("none", None, ""),
-    ("fork", "fork", "2"),
-    ("force", "force", "Once upon a time"),
-    ("choices", "choices", '["yes", "no", "maybe"]'),
-    ("backtrack", "backtrack", " very"),
-    ("json", "json", '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'),
-    ("regex", "regex", "[A-Z][a-z]+ [0-9]{1,3}"),
+    ("chat", False, "/v1/chat/completions", {}),
+    ("json_schema", True, "/v1/chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}),
+    ("completion", False, "/v1/completions", {}),
+    ("guided_regex", True, "/v1/chat/completions", {"guided_regex": "[A-Z][a-z]{2,9} [0-9]{1,3}"}),
+    ("run fork 2", False, "/v1/run", {"controller": "fork", "controller_arg": "2"}),
+    ("choice", True, "/v1/chat/completions", {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
+    ("run backtrack", False, "/v1/run", {"controller": "backtrack", "controller_arg": " very"}),
+    ("tool call", True, "/v1/chat/completions", {"tools": [WEATHER], "tool_choice": "required"}),
 ]
 PROMPTS = ["Tell me about the sea.", "Is the sky blue?", "Describe a very big ship.", "Name a person and a number."]
+HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
+              "e2e": "e2e_request_latency_seconds", "queue": "request_queue_time_seconds"}
 
 
 def free_port() -> int:
@@ -56,10 +74,11 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def start_server(model: str, port: int, clients: int, max_tokens: int) -> subprocess.Popen:
+def start_server(model: str, port: int, clients: int, max_tokens: int, state_dir: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "host") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "rudder.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--max-concurrent", str(clients), "--max-queue", str(clients), "--max-tokens", str(max(max_tokens, 64))]
+           "--max-concurrent", str(clients), "--max-queue", str(clients), "--max-tokens", str(max(max_tokens, 64)),
+           "--state-dir", state_dir]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -78,21 +97,16 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def request_for(kind: tuple, i: int, max_tokens: int) -> tuple[str, dict]:
-    name, controller, arg = kind
+    name, _, path, extra = kind
     prompt = PROMPTS[i % len(PROMPTS)]
-    if i % 4 == 3 and controller not in ("fork", "choices", "backtrack", "force"):
-        body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "stream": True, "seed": i, "stream_options": {"include_usage": True}}
-        if name == "json":
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(arg)}}
-        elif name == "regex":
-            body["rudder"] = {"regex": arg}
-        return "/v1/chat/completions", body
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "seed": i,
-            "temperature": 0.8}
-    if controller is not None:
-        body.update(controller=controller, controller_arg=arg)
-    return "/v1/run", body
+    body = {"max_tokens": max_tokens, "seed": i, "temperature": 0.8, "stream": True, **extra}
+    if path == "/v1/completions":
+        body.update(prompt=prompt, stream_options={"include_usage": True})
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        if path != "/v1/run":
+            body["stream_options"] = {"include_usage": True}
+    return path, body
 
 
 async def one(client: httpx.AsyncClient, path: str, body: dict) -> dict:
@@ -107,11 +121,14 @@ async def one(client: httpx.AsyncClient, path: str, body: dict) -> dict:
                 continue
             ev = json.loads(line[6:])
             if "error" in ev and ev.get("type") != "step":
-                error = ev["error"].get("type", "error") + ": " + ev["error"].get("message", "")[:120]
+                err = ev["error"]
+                error = err.get("type", "error") + ": " + str(err.get("message", ""))[:120]
             if path == "/v1/run":
                 n = sum(len(d["token_ids"]) for d in ev.get("deltas", []))
+                tokens += n
             else:  # OpenAI chunks carry text, not tokens: count chunks that carry some
-                n = sum(1 for ch in ev.get("choices", []) if ch.get("delta", {}).get("content"))
+                n = sum(1 for ch in ev.get("choices", []) if ch.get("text") or (ch.get("delta") or {}).get("content")
+                        or (ch.get("delta") or {}).get("tool_calls"))
                 if ev.get("usage"):
                     tokens = ev["usage"]["completion_tokens"]
             if n:
@@ -121,8 +138,6 @@ async def one(client: httpx.AsyncClient, path: str, body: dict) -> dict:
                 else:
                     gaps.append(now - last)
                 last = now
-                if path == "/v1/run":
-                    tokens += n
     return {"ttft": first, "gaps": gaps, "tokens": tokens, "error": error}
 
 
@@ -152,13 +167,34 @@ async def load(url: str, clients: int, n: int, kinds: list, max_tokens: int, tim
     return results, time.perf_counter() - t0
 
 
+def histogram_counts(metrics: str, name: str) -> list[float]:
+    """Cumulative bucket counts of rudder_<name> (bounds LATENCY_BUCKETS, then +Inf)."""
+    counts = {}
+    for line in metrics.splitlines():
+        m = re.match(rf'rudder_{name}_bucket{{.*le="([^"]+)".*}} (\S+)$', line)
+        if m:
+            counts[m.group(1)] = float(m.group(2))
+    return [counts.get(str(b), 0.0) for b in LATENCY_BUCKETS] + [counts.get("+Inf", 0.0)]
+
+
+def server_percentiles(before: str, after: str) -> dict:
+    """p50/p90/p99 in ms of each histogram over the run (after minus before)."""
+    out = {}
+    for key, name in HISTOGRAMS.items():
+        delta = [a - b for a, b in zip(histogram_counts(after, name), histogram_counts(before, name))]
+        for q in (50, 90, 99):
+            out[f"{key}_p{q}_ms"] = round(quantile(q / 100, LATENCY_BUCKETS, delta) * 1000, 1)
+        out[f"{key}_count"] = int(delta[-1])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=3, help="requests per client")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--time-limit", type=float, default=300)
+    ap.add_argument("--time-limit", type=float, default=600)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 100):
@@ -166,14 +202,15 @@ def main() -> None:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.model, port, args.clients, args.max_tokens)
+    state = tempfile.TemporaryDirectory(prefix="serve-load-")
+    proc = start_server(args.model, port, args.clients, args.max_tokens, state.name)
     try:
         wait_ready(url, proc)
-        tags = httpx.get(url + "/v1/controllers/tags").json()["tags"]
-        kinds = [k for k in MIX if k[1] is None or k[1] in tags]
+        kinds = MIX
         # warm-up: every kind once (module init, token table, allocator pools), then measure RSS
         warm, _ = asyncio.run(load(url, len(kinds), 1, kinds, 8, args.time_limit))
         rss_before = rss_mb(proc.pid)
+        metrics_before = httpx.get(url + "/metrics").text
         results, wall = asyncio.run(load(url, args.clients, args.requests, kinds, args.max_tokens, args.time_limit))
         time.sleep(1.0)
         rss_after = rss_mb(proc.pid)
@@ -184,6 +221,7 @@ def main() -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        state.cleanup()
 
     ok = [r for r in results if not r.get("error")]
     errors = [r for r in results if r.get("error")]
@@ -192,19 +230,28 @@ def main() -> None:
     tokens = sum(r["tokens"] for r in ok)
     pct = lambda xs, q: float(np.percentile(xs, q) * 1000) if xs else float("nan")  # noqa: E731
     row = {"model": args.model, "clients": args.clients, "requests": len(results), "kinds": [k[0] for k in kinds],
+           "constrained": sum(1 for i in range(len(results)) if MIX[i % len(MIX)][1]),
            "wall_s": round(wall, 2), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
-           "ttft_p50_ms": round(pct(ttft, 50), 1), "ttft_p99_ms": round(pct(ttft, 99), 1),
-           "itl_p50_ms": round(pct(gaps, 50), 1), "itl_p99_ms": round(pct(gaps, 99), 1),
+           **server_percentiles(metrics_before, metrics),
+           "client_ttft_p50_ms": round(pct(ttft, 50), 1), "client_ttft_p99_ms": round(pct(ttft, 99), 1),
+           "client_itl_p50_ms": round(pct(gaps, 50), 1), "client_itl_p99_ms": round(pct(gaps, 99), 1),
            "errors": len(errors), "warmup_errors": sum(1 for r in warm if r.get("error")),
            "rss_before_mb": round(rss_before, 1), "rss_after_mb": round(rss_after, 1),
            "rss_change_pct": round(100 * (rss_after - rss_before) / rss_before, 1),
-           "kv_blocks_free_after": next((line.split()[-1] for line in metrics.splitlines()
-                                         if line.startswith("rudder_kv_blocks_free")), "?")}
-    print(f"serve_load: {args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens}, "
-          f"model {args.model}, mix {', '.join(row['kinds'])}")
-    print("| metric | value |\n| --- | --- |")
-    for key in ("wall_s", "tokens", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                "errors", "warmup_errors", "rss_before_mb", "rss_after_mb", "rss_change_pct", "kv_blocks_free_after"):
+           "kv_cache_usage_after": next((line.split()[-1] for line in metrics.splitlines()
+                                         if line.startswith("rudder_kv_cache_usage_ratio")), "?")}
+    print(f"serve_load: {args.clients} concurrent streams x {args.requests} requests ({row['constrained']} of "
+          f"{len(results)} constrained), max_tokens {args.max_tokens}, model {args.model}")
+    print(f"mix: {', '.join(row['kinds'])}")
+    print("\n| from the server's histograms | p50 ms | p90 ms | p99 ms | count |\n| --- | --- | --- | --- | --- |")
+    for key, label in (("ttft", "time to first token"), ("itl", "inter-token latency"), ("e2e", "end to end"),
+                       ("queue", "queue time")):
+        print(f"| {label} | {row[key + '_p50_ms']} | {row[key + '_p90_ms']} | {row[key + '_p99_ms']} | "
+              f"{row[key + '_count']} |")
+    print("\n| metric | value |\n| --- | --- |")
+    for key in ("wall_s", "tokens", "tokens_per_s", "client_ttft_p50_ms", "client_ttft_p99_ms", "client_itl_p50_ms",
+                "client_itl_p99_ms", "errors", "warmup_errors", "rss_before_mb", "rss_after_mb", "rss_change_pct",
+                "kv_cache_usage_after"):
         print(f"| {key} | {row[key]} |")
     for r in errors[:5]:
         print(f"error ({r['kind']}): {r['error']}")

@@ -3,8 +3,7 @@
 A legal controller that computes for ~40 % of its budget per step keeps running when the
 machine is so busy that each of its calls takes several budgets of wall time; a runaway one
 still ends at its budget (its CPU time) or at the wall-clock cap when it is starved; and
-time spent in an import outside the thread's CPU clock (the tokenizer lets go of the GIL) is
-charged to the call. Needs the native library (deadlines fall back to wall time without it).
+time spent in an import (the tokenizer, which lets go of the GIL) counts against the call. Needs the native library (deadlines fall back to wall time without it).
 """
 
 from __future__ import annotations
@@ -132,8 +131,8 @@ TOKENIZE_LOOP = controller_wat(
 
 def test_tokenize_in_a_loop_is_charged_and_budgeted(tmp_path):
     """A step that tokenizes 16 KiB again and again: each call's time counts against the step
-    (the tokenizer works outside the thread's CPU clock), and the request's tokenize budget
-    ends it with kind `limit` when that comes first."""
+    (the tokenizer works on the guest's thread, without the GIL), and the request's tokenize
+    budget ends it with kind `limit` when that comes first."""
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as runtime:
         module = runtime.load(wasm_of(TOKENIZE_LOOP))
         digits = b"7" * 16384

@@ -17,32 +17,8 @@ import wasmtime
 
 from rudder.controller.build import build_controller, builtin_controller
 from rudder.server import ServerConfig
-from serve_util import LiveServer, apply_deltas, sse_events
+from serve_util import REWIND_C, LiveServer, apply_deltas, sse_events
 from controller_wat import controller_wat
-
-# Forces the argument's tokens, then takes the last two back and samples on to 8 tokens: a
-# stream with a visible backtrack.
-REWIND_C = r'''
-#include "rudder.h"
-static uint32_t *forced, n_forced;
-int controller_start(const char *arg, uint32_t len) {
-    forced = rudder_tokenize(arg, len, &n_forced);
-    return forced && n_forced >= 2 ? 0 : 1;
-}
-void controller_step(const rudder_step *step, rudder_out *out) {
-    if (step->index == 0) {
-        rudder_out_ff(out, forced, n_forced);
-        return;
-    }
-    if (step->index == 1) {
-        rudder_log("rewind: taking 2 tokens back\n");
-        rudder_out_sample(out, NULL)->backtrack = 2;
-        return;
-    }
-    if (step->n_seq - step->n_prompt < 8)
-        rudder_out_sample(out, NULL);
-}
-'''
 
 HANG_WAT = controller_wat(mid='(call $log (i32.const 0x200) (i32.const 8)) (loop $l (br $l)) (i32.const 0)',
                           extra='(data (i32.const 0x200) "hanging\\n")')
@@ -63,6 +39,11 @@ def rewind_wasm(tmp_path_factory) -> bytes:
     return build_controller([d / "rewind.c"], d / "rewind.wasm").read_bytes()
 
 
+def tag_map(c) -> dict[str, str]:
+    """GET /v1/controllers/tags as {tag: module_id}."""
+    return {t["tag"]: t["module_id"] for t in c.get("/v1/controllers/tags").json()["tags"]}
+
+
 def wait_for(predicate, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -79,9 +60,10 @@ def test_health_models_and_builtin_tags(server):
         assert c.get("/healthz").json()["status"] == "ok"
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
         tags = c.get("/v1/controllers/tags").json()
-    for name in ("choices", "fork", "force", "backtrack"):
+        by_name = tag_map(c)
+    for name in ("choices", "fork", "force", "backtrack", "json", "regex", "grammar"):
         assert name in tags["builtin"]
-        assert tags["tags"][name] == hashlib.sha256(builtin_controller(name).read_bytes()).hexdigest()
+        assert by_name[name] == hashlib.sha256(builtin_controller(name).read_bytes()).hexdigest()
 
 
 def test_upload_tag_and_run(server, rewind_wasm):
@@ -95,7 +77,7 @@ def test_upload_tag_and_run(server, rewind_wasm):
         assert again["module_id"] == info["module_id"]  # content-addressed: one module
 
         assert c.post("/v1/controllers/tags", json={"tag": "rewind", "module_id": info["module_id"]}).status_code == 200
-        assert c.get("/v1/controllers/tags").json()["tags"]["rewind"] == info["module_id"]
+        assert tag_map(c)["rewind"] == info["module_id"]
         listed = {m["module_id"]: m for m in c.get("/v1/controllers").json()["data"]}
         assert "rewind" in listed[info["module_id"]]["tags"]
 
@@ -121,7 +103,7 @@ def test_upload_errors(server):
         big = c.post("/v1/controllers", content=b"\0" * ((1 << 20) + 1))
         assert big.status_code == 413 and big.json()["error"]["type"] == "payload_too_large"
         assert c.post("/v1/controllers/tags", json={"tag": "x", "module_id": "0" * 64}).status_code == 404
-        force_id = c.get("/v1/controllers/tags").json()["tags"]["force"]
+        force_id = tag_map(c)["force"]
         assert c.post("/v1/controllers/tags", json={"tag": "fork", "module_id": force_id}).status_code == 403
 
 
@@ -130,7 +112,7 @@ def test_request_errors_are_json(server):
         cases = [
             (c.post("/v1/run", json={"prompt": "x", "max_tokens": 0}), 400, "invalid_request"),
             (c.post("/v1/run", json={"prompt": "x", "max_tokens": 5000}), 400, "invalid_request"),
-            (c.post("/v1/run", json={"max_tokens": 5}), 400, "invalid_request"),
+            (c.post("/v1/run", json={"max_tokens": 5, "aici": False}), 400, "invalid_request"),
             (c.post("/v1/run", content=b"{not json", headers={"content-type": "application/json"}), 400, "invalid_request"),
             (c.post("/v1/run", json={"prompt": "x", "controller": "nope"}), 404, "not_found"),
             (c.post("/v1/run", json={"prompt": "x", "controller": "fork", "controller_limits": {"bogus": 1}}),
@@ -274,7 +256,7 @@ def test_disconnect_frees_kv_blocks_and_request(server):
     assert wait_for(lambda: server.metrics()["rudder_kv_blocks_free"] == total)
     with server.client() as c:
         with c.stream("POST", "/v1/run", json={"prompt": "a long prompt " * 20, "controller": "fork",
-                                               "controller_arg": "2", "max_tokens": 2000, "seed": 7,
+                                               "controller_arg": "2", "max_tokens": 1700, "seed": 7,
                                                "ignore_eos": True}) as r:
             events = sse_events(r)
             seen = [next(events) for _ in range(3)]
@@ -289,15 +271,16 @@ def test_disconnect_frees_kv_blocks_and_request(server):
 
 
 def test_queue_full_is_429_and_restricted_mode():
-    cfg = ServerConfig(model="tiny", restricted=True, max_concurrent=1, max_queue=0, max_tokens=4000)
+    cfg = ServerConfig(model="tiny", restricted=True, max_concurrent=1, max_queue=0, max_tokens=2000)
     with LiveServer(cfg) as s, s.client() as c:
         assert c.post("/v1/controllers", content=b"\0asm").json()["error"]["type"] == "forbidden"
         with c.stream("POST", "/v1/run", json={"prompt": "x", "controller": "fork", "controller_arg": "1",
-                                               "max_tokens": 4000, "ignore_eos": True}) as r:
+                                               "max_tokens": 2000, "ignore_eos": True}) as r:
             events = sse_events(r)
             assert next(events)["type"] == "step"  # it runs
             busy = httpx.post(s.url + "/v1/run", json={"prompt": "y", "max_tokens": 3})
         assert busy.status_code == 429 and busy.json()["error"]["type"] == "too_many_requests"
+        assert busy.headers["retry-after"] == "1"
         assert wait_for(lambda: s.metrics()["rudder_requests_running"] == 0)
         assert c.post("/v1/run", json={"prompt": "y", "max_tokens": 3, "stream": False}).status_code == 200
 
@@ -343,8 +326,7 @@ def test_json_schema_chat_completion_validates(smol_server):
 def test_regex_extension_maps_onto_the_regex_controller(server):
     from openai import OpenAI
 
-    if "regex" not in httpx.get(server.url + "/v1/controllers/tags").json()["tags"]:
-        pytest.fail("the built-in regex controller is missing")
+    assert "regex" in httpx.get(server.url + "/v1/controllers/tags").json()["builtin"]
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     for seed in range(3):
         out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a number"}],
@@ -375,13 +357,13 @@ def test_pipeline_server_answers_as_one_process_and_a_dead_stage_fails_cleanly()
 
     body = {"prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": False}
     want = LLM("tiny:4").generate(["hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
-    cfg = ServerConfig(model="tiny:4", max_tokens=100000, engine_options={"pipeline_stages": 2})
+    cfg = ServerConfig(model="tiny:4", max_tokens=2000, engine_options={"pipeline_stages": 2})
     with LiveServer(cfg) as s, s.client() as c:
         runner = s.app.state.service.llm.engine.runner
         assert runner.num_stages == 2
         r = c.post("/v1/run", json=body)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
-        with c.stream("POST", "/v1/run", json={**body, "max_tokens": 100000, "stream": True}) as stream:
+        with c.stream("POST", "/v1/run", json={**body, "max_tokens": 2000, "stream": True}) as stream:
             events = sse_events(stream)
             assert next(events)["type"] == "step"
             os.kill(runner.children[0].pid, signal.SIGKILL)

@@ -94,24 +94,33 @@ def wait_for(predicate, timeout=30.0) -> bool:
 
 def test_serve_restricted_queue_tokens_and_limit_flags():
     """--restricted: no uploads, no tag changes, built-in controllers run. --max-concurrent 1
-    --max-queue 1: one runs, one waits (then runs), the next is 429. --max-tokens 4000: the most
-    a request may ask. --limit max_forks=2: a request's controller cannot fork into 3."""
-    flags = ["--restricted", "--max-concurrent", "1", "--max-queue", "1", "--max-tokens", "4000",
+    --max-queue 1: one runs, one waits (then runs), the next is 429. --max-tokens 2000: the most
+    a request may ask (below the tiny model's 2048-token context, so the flag, not the context,
+    refuses 2001). --limit max_forks=2: a request's controller cannot fork into 3."""
+    flags = ["--restricted", "--max-concurrent", "1", "--max-queue", "1", "--max-tokens", "2000",
              "--limit", "max_forks=2"]
-    # 12 layers: the long request below runs for ~20 s (its 2047 tokens), far longer than the
+    # 12 layers: the long request below runs for ~20 s (its 2000 tokens), far longer than the
     # checks made while it runs; it is cancelled once they are done.
     with Serve(*flags, model="tiny:12") as s, s.client() as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert c.get("/healthz").json()["status"] == "ok"
         tags = c.get("/v1/controllers/tags").json()
         assert {"force", "fork", "json", "regex"} <= set(tags["builtin"])
-        error_of(c.post("/v1/controllers", content=bytes(wasm_of(GOOD_WAT))), 403, "forbidden")
-        retag = c.post("/v1/controllers/tags", json={"tag": "mine", "module_id": tags["tags"]["force"]})
-        assert "--restricted" in error_of(retag, 403, "forbidden")["message"]
+        # the tags are a list of objects (AICI's shape), the built-ins among them
+        by_name = {t["tag"]: t for t in tags["tags"]}
+        assert set(tags["builtin"]) <= set(by_name) and all(by_name[b]["builtin"] for b in tags["builtin"])
+        force_id = by_name["force"]["module_id"]
+        assert re.fullmatch("[0-9a-f]{64}", force_id)
+        upload = error_of(c.post("/v1/controllers", content=bytes(wasm_of(GOOD_WAT))), 403, "forbidden")
+        assert "--restricted" in upload["message"] and upload["code"] == "restricted"
+        retag = error_of(c.post("/v1/controllers/tags", json={"tag": "mine", "module_id": force_id}), 403, "forbidden")
+        assert "--restricted" in retag["message"] and retag["code"] == "restricted"
+        assert c.get("/v1/controllers/tags").json() == tags   # nothing changed
         forced = c.post("/v1/run", json={"prompt": "x", "controller": "force", "controller_arg": "ok", "stream": False})
         assert forced.status_code == 200 and forced.json()["choices"][0]["text"] == "ok"
 
-        too_many = c.post("/v1/run", json={"prompt": "x", "max_tokens": 4001})
-        assert "4001" in error_of(too_many, 400, "invalid_request")["message"]
+        too_many = error_of(c.post("/v1/run", json={"prompt": "x", "max_tokens": 2001}), 400, "invalid_request")
+        assert too_many["message"] == "max_tokens 2001 is over this server's limit (2000)"
+        assert too_many["param"] == "max_tokens"
         forks = error_of(c.post("/v1/run", json={"prompt": "x", "controller": "fork", "controller_arg": "3"}),
                          400, "controller_error")
         assert forks["kind"] == "start" and "max_forks 2" in forks["log_tail"]
@@ -119,7 +128,8 @@ def test_serve_restricted_queue_tokens_and_limit_flags():
                                       "stream": False})
         assert two.status_code == 200 and len(two.json()["choices"]) == 2
 
-        with c.stream("POST", "/v1/run", json={"prompt": "a", "max_tokens": 4000, "ignore_eos": True}) as running:
+        with c.stream("POST", "/v1/run", json={"prompt": "a", "max_tokens": 2000, "ignore_eos": True}) as running:
+            assert running.status_code == 200
             events = sse_events(running)   # (kept: dropping the generator would close the stream)
             assert next(events)["type"] == "step"
             waiting = pool.submit(lambda: httpx.post(s.url + "/v1/run", timeout=120, json={

@@ -75,5 +75,8 @@ def test_rank_devices():
 def test_cli_pipeline_on_cuda_without_cuda_is_one_line():
     result = CliRunner().invoke(app, ["generate", "-m", "tiny:4", "-n", "4", "--pipeline-stages", "2", "--device",
                                       "cuda", "hello"])
-    assert result.exit_code != 0 and "error:" in result.output and "CUDA with NCCL is not available" in result.output
+    # --device is checked before any model loads or stage starts: one line, no traceback.
+    assert result.exit_code != 0, result.output
+    assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    assert "--device cuda: no CUDA device is available to this torch" in result.output
     assert "Traceback" not in result.output

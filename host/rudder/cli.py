@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from .controller.runtime import DEFAULT_GUEST_MEMORY, DEFAULT_SNAPSHOT_BYTES
 from .engine.config import EngineConfig
 
 DEFAULTS = EngineConfig()
@@ -42,12 +43,72 @@ SPEC_K = typer.Option(8, "--spec-k", min=1, max=32, help="Most draft tokens per 
 DRAFT_MODEL = typer.Option("int8", "--draft-model",
                            help="The draft for --speculative draft: int8 (the model quantized), layers:N (its first N "
                                 "layers), or a checkpoint with the same vocabulary.")
+# Structured output and logit processing (`generate`; `run` names its controller itself).
+JSON_SCHEMA = typer.Option(None, "--json-schema", help="The output is JSON valid against this JSON Schema (TEXT or @FILE).")
+REGEX = typer.Option(None, "--regex", help="The whole output matches this regular expression (TEXT or @FILE).")
+CHOICE = typer.Option([], "--choice", help="The output is exactly one of these strings (repeatable).")
+GRAMMAR = typer.Option(None, "--grammar", help="The output is a sentence of this Lark or GBNF grammar (TEXT or @FILE).")
+PRESENCE = typer.Option(0.0, "--presence-penalty", min=-2.0, max=2.0, help="Penalise tokens already in the output.")
+FREQUENCY = typer.Option(0.0, "--frequency-penalty", min=-2.0, max=2.0,
+                         help="Penalise tokens by how often they are in the output.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"rudder {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """rudder: an LLM inference host where WebAssembly controllers steer decoding token by token."""
+
+
+def _device(device: str) -> str:
+    """A torch device the machine has, or a one-line ValueError."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available to this torch ({torch.__version__})")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available here")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: rudder runs on cpu, cuda or mps")
+    return device
 
 
 def _llm(model: str, device: str, pipeline_stages: str, draft_model: str = "int8"):
     from .llm import LLM
 
-    return LLM(model, device=device, pipeline_stages=_stages(pipeline_stages), draft_model=draft_model)
+    return LLM(model, device=_device(device), pipeline_stages=_stages(pipeline_stages), draft_model=draft_model)
+
+
+def _check_module(controller: str) -> None:
+    """Load a .wasm file's module (its checks: format, imports, exports) in a runtime of its own,
+    so that one that cannot load fails in a moment, before the model (and torch) loads."""
+    path = Path(controller)
+    if not (controller.endswith(".wasm") or path.is_file()):
+        return  # a built-in name: built and checked with the model's runtime
+    if not path.is_file():
+        raise ValueError(f"no such controller file: {path}")
+    from .controller import ControllerRuntime
+    from .tokenizer import Tokenizer
+
+    data = path.read_bytes()
+    # A component (Python/JS) takes seconds to compile: check it through the shared disk cache,
+    # so the model's runtime loads the compiled form right after.
+    component = data[4:8] == b"\x0d\x00\x01\x00"
+    with ControllerRuntime(Tokenizer.byte_level(), cache_dir=None if component else False, max_instances=0) as runtime:
+        runtime.load(data)
 
 
 def _stages(text: str) -> int | list[int] | None:
@@ -70,18 +131,17 @@ def _user_errors():
     """Exceptions that are the user's input, reported in one line (never a traceback)."""
     from .controller import ControllerError
     from .controller.build import BuildError
-    from .engine import RunnerFailure
-    from .errors import ModelFetchError
+    from .errors import ModelFetchError, RunnerFailure
 
     return (ValueError, OSError, ModelFetchError, ControllerError, BuildError, RunnerFailure)
 
 
-def _read_arg(arg: str) -> str:
+def _read_arg(arg: str, flag: str = "--arg") -> str:
     """`--arg TEXT` or `--arg @file` (the convention of every controller)."""
     if arg.startswith("@"):
         path = Path(arg[1:])
         if not path.is_file():
-            raise ValueError(f"--arg {arg}: no such file")
+            raise ValueError(f"{flag} {arg}: no such file")
         return path.read_text(encoding="utf-8")
     return arg
 
@@ -100,13 +160,13 @@ def _read_limits(items: list[str]) -> dict | None:
     return limits or None
 
 
-def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
+def _stream(llm, prompt, params, chat, controller=None, arg="", trace: bool = False) -> list:
     """Stream branch 0 to stdout (erasing backtracked text on a terminal); forks are printed
     whole at the end. A controller can take text back, so into a pipe its output is written
     once it is final. Returns the final delta of each branch."""
     finals, texts = {}, {}
     buffered = controller is not None and not sys.stdout.isatty()
-    for delta in llm.stream(prompt, params, chat=chat, controller=controller, controller_arg=arg):
+    for delta in llm.stream(prompt, params, chat=chat, controller=controller, controller_arg=arg, trace=trace):
         text = texts.get(delta.branch, "")
         if delta.backtrack_chars:
             text = text[: len(text) - delta.backtrack_chars]
@@ -119,6 +179,8 @@ def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
             sys.stdout.flush()
         if delta.finished:
             finals[delta.branch] = delta
+            for step in delta.trace or ():
+                sys.stderr.write(f"[trace] {step.describe(llm.tokenizer)}\n")
             if delta.speculative is not None and delta.branch == 0:
                 s = delta.speculative
                 sys.stderr.write(f"[speculative: drafted {s['drafted']}, accepted {s['accepted']}, "
@@ -135,28 +197,49 @@ def _stream(llm, prompt, params, chat, controller=None, arg="") -> list:
     return [finals[b] for b in sorted(finals)]
 
 
-def _params(max_tokens, temperature, top_p, top_k, seed, stop, speculative=None, spec_k=8):
+def _params(max_tokens, temperature, top_p, top_k, seed, stop, speculative=None, spec_k=8, structured=None,
+            penalties=None):
+    """SamplingParams from the flags; the structured-output ones are checked by LLM."""
     from .engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p or 1.0, top_k=top_k,
-                          seed=seed, stop=stop, speculative=speculative, spec_k=spec_k).validate()
+                          seed=seed, stop=stop, speculative=speculative, spec_k=spec_k, **(penalties or {}),
+                          **(structured or {}))
+
+
+def _structured(json_schema: str | None, regex: str | None, choice: list[str], grammar: str | None) -> dict:
+    out = {}
+    if json_schema is not None:
+        out["json_schema"] = _read_arg(json_schema, "--json-schema")
+    if regex is not None:
+        out["regex"] = _read_arg(regex, "--regex")
+    if choice:
+        out["choice"] = list(choice)
+    if grammar is not None:
+        out["grammar"] = _read_arg(grammar, "--grammar")
+    if len(out) > 1:
+        raise ValueError(f"give one of --json-schema, --regex, --choice and --grammar, not {len(out)}")
+    return out
 
 
 def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: str,
               controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False,
-              draft_model: str = "int8") -> None:
+              draft_model: str = "int8", trace: bool = False) -> None:
     """What `generate` and `run` share: set up, stream, report errors in one line (plus the
     controller's log tail), release the model (and its pipeline stages)."""
     prompt = sys.stdin.read() if prompt == "-" else prompt
     llm, log_text = None, lambda: ""
     try:
         params = _params(**sampling)
-        llm = _llm(model, device, pipeline_stages, draft_model)
-        ctl = None
         if controller is not None:
-            ctl = llm.start_controller(controller, _read_arg(arg), _read_limits(list(limits)))
+            _check_module(controller)  # a module that cannot load fails before the model loads
+        llm = _llm(model, device, pipeline_stages, draft_model)
+        params, name, name_arg = llm.steer(params, controller, _read_arg(arg) if controller else "")
+        ctl = None
+        if name is not None:
+            ctl = llm.start_controller(name, name_arg, _read_limits(list(limits)))
             log_text = ctl.log_text
-        finals = _stream(llm, prompt, params, chat, ctl)
+        finals = _stream(llm, prompt, params, chat, ctl, trace=trace)
     except KeyboardInterrupt:
         raise typer.Exit(code=130)
     except _user_errors() as e:
@@ -176,10 +259,19 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
 def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
              top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
              model: str = MODEL, device: str = DEVICE, pipeline_stages: str = PIPELINE,
-             speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
-    """Generate text for PROMPT, streamed to standard output."""
+             speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL,
+             json_schema: Optional[str] = JSON_SCHEMA, regex: Optional[str] = REGEX, choice: list[str] = CHOICE,
+             grammar: Optional[str] = GRAMMAR, presence_penalty: float = PRESENCE,
+             frequency_penalty: float = FREQUENCY) -> None:
+    """Generate text for PROMPT, streamed to standard output (--json-schema, --regex, --choice or
+    --grammar constrain it)."""
+    try:
+        structured = _structured(json_schema, regex, choice, grammar)
+    except ValueError as e:
+        _fail(str(e))
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                    speculative=speculative, spec_k=spec_k)
+                    speculative=speculative, spec_k=spec_k, structured=structured,
+                    penalties=dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
     _generate(prompt, sampling, chat, model, device, pipeline_stages, draft_model=draft_model)
 
 
@@ -188,6 +280,8 @@ def run(prompt: str = PROMPT,
         controller: str = typer.Option(..., "--controller", "-c", help="A built-in controller name (see `rudder controllers`) or a .wasm file."),
         arg: str = typer.Option("", "--arg", "-a", help="The controller's argument: TEXT, or @FILE to read it from a file."),
         log: bool = typer.Option(False, "--log", help="Print the controller's log to standard error."),
+        trace: bool = typer.Option(False, "--trace", help="Print every Branch the host applied (backtrack, what the "
+                                   "mask allows, fast-forwards, the controller's time) to standard error."),
         limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit, e.g. --limit mid_process_ms=10 "
                                         "(mid_process_ms, init_ms, memory_bytes, max_forks, max_ff_tokens, "
                                         "max_log_bytes, max_var_bytes); repeatable."),
@@ -198,20 +292,45 @@ def run(prompt: str = PROMPT,
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                     speculative=speculative, spec_k=spec_k)
-    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model, trace)
 
 
 @app.command()
 def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on (0: any free one)."),
           model: str = MODEL,
-          restricted: bool = typer.Option(False, "--restricted", help="No uploads or new tags: built-in controllers only."),
+          served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                          help="The model name clients send (default: --model)."),
+          restricted: bool = typer.Option(False, "--restricted", help="No uploads or tag changes: what is registered only."),
           max_concurrent: int = typer.Option(16, "--max-concurrent", min=1, help="Requests in the engine at once."),
           max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a place; past that: 429."),
           max_tokens: int = typer.Option(1024, "--max-tokens", min=1, help="The most tokens a request may ask for."),
           max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", min=0.001, help="Largest .wasm upload, in MiB."),
           limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit for every request, "
                                           "e.g. --limit mid_process_ms=10 (as for `run`); repeatable."),
+          api_key: list[str] = typer.Option([], "--api-key", help="Require this key (Authorization: Bearer KEY) on "
+                                            "every /v1 route; repeatable; also RUDDER_API_KEY. Such keys are admins "
+                                            "of tenant 'default'."),
+          api_keys_file: Optional[Path] = typer.Option(None, "--api-keys-file",
+                                                       help="Keys with roles and tenants: one 'KEY ROLE TENANT' per "
+                                                            "line (ROLE: admin or user)."),
+          public_metrics: bool = typer.Option(False, "--public-metrics", help="/metrics without a key, even with keys."),
+          state_dir: Optional[Path] = typer.Option(None, "--state-dir",
+                                                   help="The durable registry (modules, tags); replicas on one host "
+                                                        "may share it. Default: $RUDDER_HOME/server."),
+          tenant_max_concurrent: Optional[int] = typer.Option(None, "--tenant-max-concurrent", min=1,
+                                                              help="One tenant's requests, running and queued; past "
+                                                                   "that its requests get 429."),
+          tenant_max_modules: Optional[int] = typer.Option(None, "--tenant-max-modules", min=0,
+                                                           help="Modules one tenant may upload."),
+          max_modules: int = typer.Option(256, "--max-modules", min=1,
+                                          help="Uploaded modules the registry keeps, all tenants together."),
+          guest_memory_mb: int = typer.Option(DEFAULT_GUEST_MEMORY >> 20, "--guest-memory-mb", min=1,
+                                              help="Linear memory of all live controller instances together; a "
+                                                   "request that does not fit gets 429."),
+          snapshot_memory_mb: int = typer.Option(DEFAULT_SNAPSHOT_BYTES >> 20, "--snapshot-memory-mb", min=1,
+                                                 help="Post-init snapshots kept for loaded modules (least recently "
+                                                      "used dropped, re-made on use)."),
           kv_cache_tokens: int = typer.Option(DEFAULTS.kv_cache_tokens, "--kv-cache-tokens", min=16,
                                               help="KV cache size in tokens."),
           max_batch_tokens: int = typer.Option(DEFAULTS.max_batch_tokens, "--max-batch-tokens", min=1,
@@ -223,23 +342,40 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
               help="Steps in flight at once over the pipeline, each over its own share of the running "
                    "requests (default: one per stage).")) -> None:
     """Serve the model over HTTP: /v1/run (SSE), a controller registry, OpenAI-compatible completions."""
+    import logging
+    import os
+
     import uvicorn
 
     from .llm import LLM
     from .server import ServerConfig, create_app
+    from .server.auth import KeyRing
 
+    handler = logging.StreamHandler()  # one line per finished request, start-up notes, warnings
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logging.getLogger("rudder").addHandler(handler)
+    logging.getLogger("rudder").setLevel(logging.INFO)
     try:
-        config = ServerConfig(model=model, restricted=restricted, max_concurrent=max_concurrent, max_queue=max_queue,
+        keys = KeyRing.from_sources([*api_key, *([os.environ["RUDDER_API_KEY"]] if os.environ.get("RUDDER_API_KEY")
+                                                 else [])], api_keys_file)
+        config = ServerConfig(model=model, served_model_name=served_model_name, restricted=restricted,
+                              max_concurrent=max_concurrent, max_queue=max_queue,
                               max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
                               max_upload_bytes=int(max_upload_mb * (1 << 20)),
-                              controller_limits=_read_limits(list(limit)) or {},
+                              controller_limits=_read_limits(list(limit)) or {}, api_keys=keys,
+                              public_metrics=public_metrics, state_dir=state_dir,
+                              tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
+                              max_modules=max_modules,
                               engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
-                                              "max_seqs": max_seqs, "device": device,
+                                              "max_seqs": max_seqs, "device": _device(device),
                                               "pipeline_stages": _stages(pipeline_stages),
-                                              "micro_batches": pipeline_micro_batches})
+                                              "micro_batches": pipeline_micro_batches,
+                                              "guest_memory_bytes": guest_memory_mb << 20,
+                                              "snapshot_bytes": snapshot_memory_mb << 20})
         from .controller import Limits
 
         Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
+        config.state_path.mkdir(parents=True, exist_ok=True)  # an unusable --state-dir fails here too
         # The model (and its pipeline stages) is up before the port is bound: a bad model or layout
         # is a one-line error, and under torchrun the ranks > 0 serve their stage here and exit.
         llm = LLM(model, controller_limits=config.controller_limits or None, **config.engine_options)
@@ -261,16 +397,25 @@ def controllers() -> None:
 
 
 @app.command()
-def build(sources: list[Path] = typer.Argument(..., help="C source files of the controller."),
+def build(sources: list[Path] = typer.Argument(..., help="C source files of the controller, or one .py / .js file."),
           output: Path = typer.Option(..., "--output", "-o", help="The .wasm file to write."),
           debug: bool = typer.Option(False, "--debug", help="Debug build: -O1 -g, undefined behaviour traps.")) -> None:
-    """Build a controller from C sources with the guest SDK (zig cc, wasm32)."""
+    """Build a controller: C sources with the guest SDK (zig cc, wasm32), or one Python or
+    JavaScript file into a component (componentize-py / componentize-js)."""
     from .controller.build import BuildError, build_controller
 
+    scripts = [p for p in sources if p.suffix in (".py", ".js", ".mjs")]
     try:
-        out = build_controller(sources, output, debug=debug)
+        if scripts:  # a Python or JavaScript controller: a component (controller/component_build.py)
+            if len(sources) != 1:
+                raise BuildError("a Python or JavaScript controller is built from one file")
+            from .controller.component_build import build_component
+
+            out = build_component(sources[0], output)
+        else:
+            out = build_controller(sources, output, debug=debug)
     except (BuildError, OSError) as e:
-        _fail(str(e))
+        _fail(e.summary if isinstance(e, BuildError) and scripts else str(e))
     typer.echo(f"{out} ({out.stat().st_size} bytes)")
 
 

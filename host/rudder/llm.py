@@ -4,10 +4,13 @@
     llm = LLM("smollm2")
     [out] = llm.generate(["Name a colour."], SamplingParams(max_tokens=20), chat=True)
     print(out.text)
+    out = llm.chat([{"role": "user", "content": "A colour as JSON."}],
+                   SamplingParams(json_schema={"type": "object", "properties": {"colour": {"type": "string"}}}))
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -15,6 +18,7 @@ import torch
 
 from .engine import Completion, Controller, Delta, Engine, EngineConfig, SamplingParams
 from .loading import load_model, load_tokenizer
+from .structured import from_params
 
 __all__ = ["LLM"]
 
@@ -22,7 +26,8 @@ __all__ = ["LLM"]
 class LLM:
     def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", controller_limits=None,
                  pipeline_stages: int | list[int] | None = None, pipeline_threads: int | None = None,
-                 pipeline_timeout: float = 60.0, config: EngineConfig | None = None, **engine_options):
+                 pipeline_timeout: float = 60.0, config: EngineConfig | None = None,
+                 guest_memory_bytes: int | None = None, snapshot_bytes: int | None = None, **engine_options):
         """`model`: "smollm2", "tiny" (random weights), a .gguf file or a Hugging Face-style folder.
         `config` (or its fields as keyword arguments: kv_cache_tokens, max_batch_tokens, max_seqs,
         micro_batches...) sizes the engine (engine/config.py; the CLI and the server share its
@@ -32,7 +37,11 @@ class LLM:
         layers per stage), driven over torch.distributed (docs/pipeline.md); this process is the
         coordinator and stage 0. `pipeline_threads`: torch threads per stage (default: the CPU
         cores shared out); `pipeline_timeout`: seconds a stage may take before the pipeline is
-        declared dead. A pipeline runs one micro-batch per stage unless `micro_batches` says."""
+        declared dead. A pipeline runs one micro-batch per stage unless `micro_batches` says.
+
+        `controller_limits` lowers the controllers' per-request limits (docs/abi.md);
+        `guest_memory_bytes` and `snapshot_bytes` are the sandbox's memory budgets for all live
+        controller instances and for the post-init snapshots of loaded modules."""
         config = EngineConfig.of(**engine_options) if config is None else config.replace(**engine_options)
         runner = None
         if pipeline_stages is None or pipeline_stages == 1:
@@ -48,7 +57,10 @@ class LLM:
                 config = config.replace(micro_batches=self.model.stage.num_stages)
             runner = factory(config.num_blocks, config.block_size)
         self.engine = Engine(self.model, self.tokenizer, config, runner=runner)
+        self.pipeline = runner is not None  # the last stage samples: no logit processing there
         self._controller_limits = controller_limits
+        self._runtime_options = {k: v for k, v in (("guest_memory_bytes", guest_memory_bytes),
+                                                   ("snapshot_bytes", snapshot_bytes)) if v is not None}
         self._runtime = None
 
     def close(self) -> None:
@@ -67,7 +79,7 @@ class LLM:
         if self._runtime is None:
             from .controller import ControllerRuntime, Limits
 
-            self._runtime = ControllerRuntime(self.tokenizer, self._controller_limits or Limits())
+            self._runtime = ControllerRuntime(self.tokenizer, self._controller_limits or Limits(), **self._runtime_options)
         return self._runtime
 
     def start_controller(self, controller: "str | Path | bytes", arg: str | bytes = "", limits=None) -> Controller:
@@ -86,14 +98,32 @@ class LLM:
             wasm = builtin_controller(str(controller)).read_bytes()
         return self.runtime.start(self.runtime.load(wasm), arg, limits)
 
-    def _controllers_for(self, n: int, controller, controller_arg, controllers, limits=None) -> list:
-        if controllers is not None:
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Validate `params` against this model (token ids of logit_bias, what a pipeline can do);
+        raises ValueError naming the field."""
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= int(t) < self.tokenizer.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                 f"(0..{self.tokenizer.vocab_size - 1})")
+        if self.pipeline and params.processed:
+            names = [n for n, on in (("presence_penalty", params.presence_penalty), ("frequency_penalty",
+                     params.frequency_penalty), ("repetition_penalty", params.repetition_penalty != 1.0),
+                     ("min_p", params.min_p), ("logit_bias", params.logit_bias)) if on]
+            raise ValueError(f"{', '.join(names)}: not available with pipeline stages (the last stage samples)")
+        return params
+
+    def steer(self, params: SamplingParams | None, controller, controller_arg):
+        """(params for the engine, controller, argument): a structured-output field of `params`
+        becomes its built-in controller."""
+        params = params or SamplingParams()
+        constraint = from_params(params)
+        if constraint is not None:
             if controller is not None:
-                raise ValueError("pass either controller or controllers, not both")
-            return list(controllers)
-        if controller is None:
-            return [None] * n
-        return [self.start_controller(controller, controller_arg, limits) for _ in range(n)]
+                raise ValueError(f"{constraint.source} and controller: give one of them")
+            controller, controller_arg = constraint.controller, constraint.arg
+            params = dataclasses.replace(params, json_schema=None, regex=None, choice=None, grammar=None)
+        return self.check_params(params.validate()), controller, controller_arg
 
     def prompt_text(self, prompt: str | list[dict] | list[int], chat: bool) -> str | list[int]:
         """A chat prompt (a message list, or one user message) is rendered with the model's
@@ -108,20 +138,51 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
                  *, chat: bool = False, controller=None, controller_arg: str | bytes = "", controller_limits=None,
-                 controllers: Iterable[Controller | None] | None = None) -> list[Completion]:
+                 controllers: Iterable[Controller | None] | None = None, trace: bool = False) -> list[Completion]:
         """Run all prompts concurrently (continuous batching); one Completion per prompt, in order.
 
         `controller` (a built-in name, .wasm path or bytes) with `controller_arg` steers every
         prompt, each with its own instance; `controllers` gives one ready controller per prompt.
-        A request that forked has all its sequences in `completion.branches` (itself first)."""
+        Structured output in `params` (json_schema, regex, choice, grammar) picks the built-in
+        controller itself. A request that forked has all its sequences in `completion.branches`
+        (itself first). `trace=True`: each completion's `trace` lists the Branch records applied
+        to it, step by step (engine/trace.py: backtrack, the mask as a bitarray, ff lists, the
+        controller's time; `step.describe(llm.tokenizer)` reads as one line)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ctls = self._controllers_for(len(prompts), controller, controller_arg, controllers, controller_limits)
-        if not len(params_list) == len(ctls) == len(prompts):
+        if not len(params_list) == len(prompts):
+            raise ValueError("prompts and params must have the same length")
+        if controllers is not None and controller is not None:
+            raise ValueError("pass either controller or controllers, not both")
+        steered = [self.steer(p, controller, controller_arg) for p in params_list]
+        if controllers is not None:
+            if any(c is not None for _, c, _ in steered):
+                raise ValueError("structured output in params and controllers: give one of them")
+            ctls = list(controllers)
+        else:
+            ctls = []
+            try:
+                for _, name, arg in steered:
+                    ctls.append(None if name is None else self.start_controller(name, arg, controller_limits))
+            except BaseException:
+                for c in ctls:
+                    if c is not None:
+                        c.close()
+                raise
+        if len(ctls) != len(prompts):
             raise ValueError("prompts, params and controllers must have the same length")
-        requests = [self.engine.add_request(self.prompt_text(p, chat), sp, c)
-                    for p, sp, c in zip(prompts, params_list, ctls)]
+        requests = []
+        try:
+            for p, (sp, _, _), c in zip(prompts, steered, ctls):
+                requests.append(self.engine.add_request(self.prompt_text(p, chat), sp, c, trace=trace))
+        except BaseException:  # the engine closed the refused one's controller; cancel and close the rest
+            for r in requests:
+                self.engine.cancel(r.request_id)
+            for c in ctls[len(requests) + 1:]:
+                if c is not None:
+                    c.close()
+            raise
         try:
             while not all(r.finished for r in requests):
                 self.engine.step()
@@ -138,21 +199,38 @@ class LLM:
         return results
 
     def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, *, chat: bool = False,
-               controller=None, controller_arg: str | bytes = "", controller_limits=None) -> Iterator[Delta]:
+               controller=None, controller_arg: str | bytes = "", controller_limits=None,
+               trace: bool = False) -> Iterator[Delta]:
         """Yield text deltas as they are decoded (`delta.branch` tells forks apart). Closing the
         iterator cancels the request. `controller`: a ready controller, a built-in name, a .wasm
-        path or wasm bytes (with `controller_arg`)."""
+        path or wasm bytes (with `controller_arg`); or structured output in `params`. `trace`:
+        each branch's last delta carries the Branch records applied to it (see `generate`)."""
+        params, controller, controller_arg = self.steer(params, controller, controller_arg)
         if controller is not None and not hasattr(controller, "mid_process"):
             controller = self.start_controller(controller, controller_arg, controller_limits)
-        req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller)
+        req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller, trace=trace)
         try:
             while not req.finished:
                 for delta in self.engine.step():
                     if delta.request_id == req.request_id:
                         if delta.finished and req.spec_stats is not None:
                             delta.speculative = req.spec_stats.as_dict(sum(s.num_output for s in req.seqs))
+                        if delta.finished and req.trace is not None:
+                            delta.trace = [t for t in req.trace if t.branch == delta.branch]
                         yield delta
         finally:
             if not req.finished:
                 self.engine.cancel(req.request_id)
             self.engine.release(req)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, *,
+             controller=None, controller_arg: str | bytes = "", controller_limits=None) -> Completion | list[Completion]:
+        """Answer a conversation (a list of {"role", "content"} messages) with the model's chat
+        template; a list of conversations runs them concurrently and returns a list."""
+        if messages and all(isinstance(m, list) for m in messages):
+            return self.generate(list(messages), params, controller=controller, controller_arg=controller_arg,
+                                 controller_limits=controller_limits)
+        if not messages or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages: a list of {'role': ..., 'content': ...} dicts (or a list of such lists)")
+        return self.generate([messages], params, controller=controller, controller_arg=controller_arg,
+                             controller_limits=controller_limits)[0]

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+# The tokenizers library's own thread pool: off. Tokenizing runs on the calling thread, so a
+# controller's `tokenize` import is counted in its thread's CPU time (its deadline), and a
+# tokenization never spreads over cores the model is using. (Set before the library first runs.)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 __all__ = ["ChatTemplateError", "StreamDecoder", "Tokenizer", "byte_to_unicode"]
 
@@ -242,8 +248,8 @@ class Tokenizer:
             raise
 
     def encode_without_gil(self, text: str) -> list[int]:
-        """`encode(text)`, letting go of the GIL while the tokenizer works (other Python threads
-        run meanwhile); for long texts tokenized off the main path (a controller's import)."""
+        """`encode(text)`, letting go of the GIL while the tokenizer works on this thread (other
+        Python threads run meanwhile); for texts tokenized off the main path (a controller's import)."""
         try:
             return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:

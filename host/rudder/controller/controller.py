@@ -41,7 +41,6 @@ class Controller:
         self._decoder = ResultDecoder(shared.vocab_size, limits.max_forks, limits.max_ff_tokens)
         self._ms = limits.mid_process_ms
         self._ticks = deadline_ticks(limits.mid_process_ms, shared.tick_ms)
-        self._f_mid = inst.funcs["rudder_mid_process"]
         inst.state.tokenize_cap = TOKENIZE_BYTES_STEP  # a step's budget is milliseconds
         self._in_ptr = 0   # the guest's input buffer, from the last rudder_input call
         self._in_cap = 0   # ... and its capacity in tokens
@@ -71,7 +70,7 @@ class Controller:
             slots[0] = branch_idx
             slots[4] = backtrack
             slots[8] = n
-            ptr = inst.call_func(self._f_mid, "rudder_mid_process", 3, self._ticks, self._ms)
+            ptr = inst.call("rudder_mid_process", 3, self._ticks, self._ms)
             if _memory_size(inst.ctx, inst.memory) != inst.size:  # it grew: count it (~0.3 us a call)
                 inst.remap()
                 if not inst.within_budget:
@@ -114,7 +113,11 @@ class Controller:
             shared.guest_memory.admit(inst.size, "fork the controller")
             child_inst = Instance(shared, self._cmod, HostState(shared, req), req.limits.memory_bytes,
                                   deadline_ticks(req.limits.init_ms, shared.tick_ms))
-            clone_state(inst, child_inst, shared.eager_bytes)
+            try:
+                clone_state(inst, child_inst, shared.eager_bytes)
+            except BaseException:
+                child_inst.store.close()
+                raise
         except BaseException:
             with req.lock:
                 req.live -= 1

@@ -13,7 +13,6 @@ host memory. Imports are not on the per-token hot path, except perhaps var_get/v
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 import wasmtime
@@ -101,7 +100,6 @@ class HostState:
     log_truncated: bool = False
     tokenize_cap: int = TOKENIZE_BYTES_SETUP  # one tokenize call's text (Controller lowers it for steps)
     tokenized_bytes: int = 0  # rudder_init's tokenize text (no request to count it yet)
-    deadline: object = None  # the instance's native rudder_deadline, charged for imports' outside time
 
 
 class _GuestFault(Exception):
@@ -207,13 +205,10 @@ def _tokenize(state, caller, ctx, vals):
         text = _read(base, text_ptr, length).decode("utf-8")
     except UnicodeDecodeError as e:
         raise _GuestFault(f"rudder.tokenize: text is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    # encode_batch lets go of the GIL while it works (encode does not): the server's event loop
-    # and the engine go on meanwhile. Its time runs outside this thread's CPU clock, so it is
-    # charged to the call's deadline explicitly.
-    started = time.perf_counter_ns()
+    # encode_without_gil lets go of the GIL while it works: the server's event loop and the
+    # engine go on meanwhile. It runs on this thread (rudder.tokenizer turns the tokenizers
+    # library's thread pool off), so its CPU time counts against this call's deadline.
     ids = state.runtime.tokenizer.encode_without_gil(text)
-    if state.deadline is not None:
-        state.deadline.charged_ns += time.perf_counter_ns() - started
     n = min(len(ids), vals[3].i32 & 0xFFFFFFFF)
     if n:
         dst = _span("tokenize", "destination", vals[2].i32, 4 * n, size)

@@ -60,7 +60,14 @@ class _Deadlines:
         self.ffi, self.lib = native.ffi, nlib
         if nlib is not None:
             self.callback = int(native.ffi.cast("uintptr_t", native.ffi.addressof(nlib, "rudder_deadline_callback")))
-            self.error_new = native.ffi.cast("void *", int(ffi.cast("uintptr_t", lib.wasmtime_error_new)))
+            self.error_new = self.pointer(lib.wasmtime_error_new)
+            self.set_deadline = self.pointer(lib.wasmtime_context_set_epoch_deadline)
+            self.call = self.pointer(lib.wasmtime_func_call_unchecked)
+            self.guarded_call = nlib.rudder_guarded_call
+
+    def pointer(self, cdata, ctype: str = "void *"):
+        """A pointer of the fastcall binding as one of the native library's (two cffi FFIs)."""
+        return self.ffi.cast(ctype, int(ffi.cast("uintptr_t", cdata)))
 
     def new(self, tick_ms: float):
         """A deadline struct for one store, or None (then deadlines are wall-clock epochs)."""
@@ -68,7 +75,7 @@ class _Deadlines:
             return None
         d = self.ffi.new("rudder_deadline *")
         d.tick_ns = int(tick_ms * 1e6)
-        d.error_new = self.error_new
+        d.error_new, d.set_deadline, d.call = self.error_new, self.set_deadline, self.call
         return d
 
 
@@ -110,7 +117,6 @@ class _Store:
             lib.wasmtime_store_epoch_deadline_callback(ptr, ffi.cast("void *", deadlines.callback),
                                                        ffi.cast("void *", int(deadlines.ffi.cast("uintptr_t", self.deadline))),
                                                        ffi.NULL)
-            state.deadline = self.deadline
         self.meter = meter  # the runtime's GuestMemory: this store's memory counts there
         self.accounted = 0  # ... this many bytes of it
         self.ticker = ticker
@@ -147,7 +153,6 @@ class Instance:
         store = _Store(shared.engine, shared.engine_ptr, state, memory_limit, shared.ticker, shared.tick_ms,
                        shared.guest_memory)
         self.deadline = store.deadline
-        self._arm = _native_deadlines().lib.rudder_deadline_arm if store.deadline is not None else None
         self.store = store
         ctx = self.ctx = store.ctx
         self.trap = ffi.new("wasm_trap_t **")
@@ -172,6 +177,12 @@ class Instance:
         # Argument/result slots of the unchecked calls: 16 bytes each, i32 in the first 4.
         self.vals = ffi.new("wasmtime_val_raw_t[4]")
         self.vals_i32 = ffi.cast("int32_t *", self.vals)  # slot k is vals_i32[4 * k]
+        if self.deadline is not None:  # the native guarded call's arguments, converted once
+            native = _native_deadlines()
+            self._guarded = native.guarded_call
+            self._native_ffi = native.ffi
+            self._n_args = (native.pointer(ctx), native.pointer(self.vals), native.pointer(self.trap, "void **"))
+            self._n_funcs = {name: native.pointer(f) for name, f in self.funcs.items()}
         self.size = -1
         self.remap()
 
@@ -242,18 +253,19 @@ class Instance:
     # ------------------------------------------------------------------ calls
 
     def call(self, name: str, n_slots: int, ticks: int, ms: float) -> int:
-        """Call export `name` (its i32 arguments already in the slots) under a deadline of
-        `ticks` epoch ticks; return its i32 result (signed)."""
-        return self.call_func(self.funcs[name], name, n_slots, ticks, ms)
-
-    def call_func(self, func, name: str, n_slots: int, ticks: int, ms: float) -> int:
-        ctx = self.ctx
-        # The deadline counts from when it is set, so it is re-armed before every call: `ms` of
-        # this thread's CPU time (native deadlines), or `ticks` of wall time without them.
-        if self._arm is not None:
-            self._arm(self.deadline, int(ms * 1e6), int(wall_cap_ms(ms) * 1e6))
-        _set_deadline(ctx, ticks)
-        err = _call_unchecked(ctx, func, self.vals, n_slots, self.trap)
+        """Call export `name` (its i32 arguments already in the slots) under a deadline of `ms`
+        of this thread's CPU time (native deadlines) or `ticks` epoch ticks of wall time (without
+        them); return its i32 result (signed). The deadline counts from when it is set, so it is
+        re-armed before every call."""
+        if self.deadline is not None:
+            ctx, vals, trap = self._n_args
+            err = self._guarded(self.deadline, ctx, self._n_funcs[name], vals, n_slots, trap, ticks,
+                                int(ms * 1e6), int(wall_cap_ms(ms) * 1e6))
+            if err:
+                err = ffi.cast("wasmtime_error_t *", int(self._native_ffi.cast("uintptr_t", err)))
+        else:
+            _set_deadline(self.ctx, ticks)
+            err = _call_unchecked(self.ctx, self.funcs[name], self.vals, n_slots, self.trap)
         if err or self.trap[0]:
             raise self._call_error(err, name, ms)
         # No memory-size check here (it would cost ~0.5 us a call): memory never shrinks, so

@@ -32,6 +32,7 @@ from .errors import ControllerError
 from .fastcall import addr, ffi, lib
 from .host_api import HostState, RequestContext, define_imports
 from .budgets import GuestMemory, SnapshotCache
+from .component import ComponentCache, ComponentModule, ComponentSupport, is_component
 from .instance import WASM_PAGE, Instance
 from .limits import Limits, deadline_ticks
 from .module import ControllerModule, check_binary, check_module, check_shape
@@ -47,6 +48,7 @@ __all__ = ["ControllerRuntime"]
 # 500/s, measured here, and only while a controller instance exists).
 TICK_MS = 2.0
 MAX_MODULE_BYTES = 64 << 20  # compile time grows with size; no real controller is near this
+MAX_COMPONENT_BYTES = 64 << 20  # a componentize-py component is ~18 MB (CPython inside), componentize-js ~12 MB
 # Deterministic init failures are remembered so a broken module fails fast on every request;
 # timeouts and pool exhaustion depend on load, so those are retried.
 _STICKY_INIT_KINDS = {"init", "bad_module", "trap", "oom", "invalid_result"}
@@ -292,8 +294,12 @@ class ControllerRuntime:
         self.cache = ModuleCache(engine, fp, cache_dir or None)
         self._ticker = _make_ticker(engine, self._shared.engine_ptr, tick_ms / 1000)
         self._shared.ticker = self._ticker
-        # A runtime dropped without close() lets its ticker end with its last store.
-        self._finalizer = weakref.finalize(self, self._ticker.orphan)
+        self._cache_dir = cache_dir
+        self._components: ComponentSupport | None = None  # made when the first component loads
+        self._components_lock = threading.Lock()
+        self._tickers = [self._ticker]
+        # A runtime dropped without close() lets its tickers end with their last store.
+        self._finalizer = weakref.finalize(self, _orphan_all, self._tickers)
 
     @property
     def tokenizer(self):
@@ -311,6 +317,11 @@ class ControllerRuntime:
         self._check_open()
         data = read_wasm(wasm)
         sha = sha256_hex(data)
+        if is_component(data):  # a Python or JavaScript controller (component.py)
+            if len(data) > MAX_COMPONENT_BYTES:
+                raise ControllerError("bad_module", f"the component is {len(data) >> 20} MiB, over the "
+                                      f"{MAX_COMPONENT_BYTES >> 20} MiB limit")
+            return self._component_support().load(data, sha)
         cached = self.cache.get(sha)
         if isinstance(cached, ControllerError):  # a module that failed before: fail fast
             raise ControllerError(cached.kind, str(cached))
@@ -345,15 +356,18 @@ class ControllerRuntime:
     # ------------------------------------------------------------------ start
 
     def start(self, module: ControllerModule, arg: bytes | str = b"",
-              limits: Limits | dict | None = None) -> Controller:
+              limits: Limits | dict | None = None, seed: int | None = None) -> Controller:
         """A controller for a new request: a fresh instance holding the module's post-init
-        state, after rudder_start has accepted `arg`. Raises ControllerError."""
+        state, after rudder_start has accepted `arg`. `seed` seeds a component's WASI random
+        (else it derives from the argument, so a repeated request repeats). Raises ControllerError."""
         self._check_open()
         if module.shared is not self._shared:
             raise ValueError("this module was loaded by another ControllerRuntime")
         lim = self.limits.capped(limits)
         if isinstance(arg, str):
             arg = arg.encode("utf-8")
+        if isinstance(module, ComponentModule):
+            return self._components.start(module, arg, lim, _STICKY_INIT_KINDS, seed)
         snap = self._ensure_init(module)
         shared = self._shared
         shared.snapshots.used(module)
@@ -361,13 +375,17 @@ class ControllerRuntime:
         request = RequestContext(bytes(arg), lim)
         ticks = deadline_ticks(lim.init_ms, shared.tick_ms)
         inst = Instance(shared, module, HostState(shared, request), lim.memory_bytes, ticks)
-        restore_snapshot(inst, snap)
-        inst.vals_i32[0] = 0
-        status = inst.call("rudder_start", 1, ticks, lim.init_ms)
-        if status != 0:
-            reason = _last_line(inst.log_tail())
-            raise ControllerError("start", f"the controller rejected the request (rudder_start returned {status})"
-                                  + (f": {reason}" if reason else "; its log is empty"), inst.log_tail())
+        try:
+            restore_snapshot(inst, snap)
+            inst.vals_i32[0] = 0
+            status = inst.call("rudder_start", 1, ticks, lim.init_ms)
+            if status != 0:
+                reason = _last_line(inst.log_tail())
+                raise ControllerError("start", f"the controller rejected the request (rudder_start returned {status})"
+                                      + (f": {reason}" if reason else "; its log is empty"), inst.log_tail())
+        except BaseException:
+            inst.store.close()  # its memory goes now, not when a traceback that holds it is collected
+            raise
         request.live = 1
         return Controller(shared, module, request, inst)
 
@@ -395,21 +413,56 @@ class ControllerRuntime:
         shared.token_table  # built before the deadline starts, not inside an import
         ticks = deadline_ticks(lim.init_ms, shared.tick_ms)
         inst = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
-        inst.vals_i32[0] = 0
-        abi = inst.call("rudder_abi_version", 1, ticks, lim.init_ms)
-        if abi != 1:
-            raise ControllerError("bad_module", f"the controller was built for ABI version {abi}; "
-                                  f"this host implements version 1", inst.log_tail())
-        inst.vals_i32[0] = 0
-        status = inst.call("rudder_init", 1, ticks, lim.init_ms)
-        if status != 0:
-            raise ControllerError("init", f"rudder_init returned {status} (see the controller's log)",
-                                  inst.log_tail())
-        fresh = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
-        snap = take_snapshot(inst, fresh)
-        inst.store.close()  # both go now: their memory leaves the guest memory budget at once
-        fresh.store.close()
-        return snap
+        try:
+            inst.vals_i32[0] = 0
+            abi = inst.call("rudder_abi_version", 1, ticks, lim.init_ms)
+            if abi != 1:
+                raise ControllerError("bad_module", f"the controller was built for ABI version {abi}; "
+                                      f"this host implements version 1", inst.log_tail())
+            inst.vals_i32[0] = 0
+            status = inst.call("rudder_init", 1, ticks, lim.init_ms)
+            if status != 0:
+                raise ControllerError("init", f"rudder_init returned {status} (see the controller's log)",
+                                      inst.log_tail())
+            fresh = Instance(shared, cmod, HostState(shared), lim.memory_bytes, ticks)
+            try:
+                return take_snapshot(inst, fresh)
+            finally:
+                fresh.store.close()
+        finally:
+            # Both go now, success or not: their memory leaves the guest memory budget at once
+            # (a traceback that holds them could keep them for as long as it lives).
+            inst.store.close()
+
+    # ------------------------------------------------------------------ components
+
+    def _component_support(self) -> ComponentSupport:
+        """The engine, ticker, linker and cache of component controllers, made on first use."""
+        with self._components_lock:
+            if self._components is None:
+                engine = wasmtime.Engine(_component_config())
+                engine_ptr = ffi.cast("wasm_engine_t *", addr(engine.ptr()))
+                ticker = _make_ticker(engine, engine_ptr, self._shared.tick_ms / 1000)
+                self._tickers.append(ticker)
+                fp = fingerprint("rudder-component-1", _pkg_version("wasmtime"), platform.machine(), "epoch", "speed")
+                cache_dir = default_cache_dir() if self._cache_dir is None else self._cache_dir
+                cache = ComponentCache(ModuleCache(engine, fp, cache_dir or None))
+                self._components = ComponentSupport(self._shared, engine, ticker, cache, self._hand_off)
+            return self._components
+
+    def _hand_off(self, name: str, arg: str, limits: Limits) -> Controller:
+        """A built-in controller started for a component's hand-off (within its request's limits)."""
+        from .build import BUILTIN_CONTROLLERS, BuildError, builtin_controller
+
+        if name not in BUILTIN_CONTROLLERS:
+            raise ControllerError("invalid_result", f"there is no built-in controller {name!r} "
+                                  f"(known: {', '.join(BUILTIN_CONTROLLERS)})")
+        try:
+            module = self.load(builtin_controller(name).read_bytes())
+        except BuildError as e:
+            raise ControllerError("limit", f"the built-in controller {name!r} cannot be built here: "
+                                  f"{e.summary}") from None
+        return self.start(module, arg, limits)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -423,8 +476,9 @@ class ControllerRuntime:
         if self._shared.closed:
             return
         self._shared.closed = True
-        self._ticker.stop()
-        self._ticker.join(timeout=1.0)
+        for ticker in list(self._tickers):
+            ticker.stop()
+            ticker.join(timeout=1.0)
 
     def __enter__(self) -> "ControllerRuntime":
         return self
@@ -442,6 +496,24 @@ class ControllerRuntime:
     def guest_memory(self):
         """The live instances' linear memory against its budget (GuestMemory: used, budget, peak)."""
         return self._shared.guest_memory
+
+
+def _orphan_all(tickers: list) -> None:
+    for ticker in tickers:
+        ticker.orphan()
+
+
+def _component_config() -> wasmtime.Config:
+    """The component engine: epoch deadlines, no threads or shared memory, deterministic
+    relaxed SIMD (seeded runs repeat); the default allocator (see component.py)."""
+    cfg = wasmtime.Config()
+    cfg.epoch_interruption = True
+    cfg.cranelift_opt_level = "speed"
+    cfg.wasm_threads = False
+    cfg.shared_memory = False
+    cfg.wasm_memory64 = False
+    cfg.wasm_relaxed_simd_deterministic = True
+    return cfg
 
 
 def _last_line(log: str) -> str:

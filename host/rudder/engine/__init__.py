@@ -1,16 +1,21 @@
 """The serving engine: requests and sequences, paged KV bookkeeping, scheduler, Branch semantics,
-runners, sampler, and the loop that drives them (llm_engine.Engine)."""
+runners, sampler, and the loop that drives them (llm_engine.Engine). Names load on first use
+(PEP 562), so that `rudder.engine.config` alone does not import torch."""
 
-from .block_manager import BlockManager, KVCacheFull
-from .branching import InvalidBranch
-from .config import EngineConfig
-from .cursor import Controller
-from .llm_engine import Engine
-from .output import Completion, Delta, Usage
-from .runner import Capabilities, Runner, RunnerFailure
-from .sampler import Sampler
-from .sequence import Request, SamplingParams, Sequence
+import importlib
 
 __all__ = ["BlockManager", "Capabilities", "Completion", "Controller", "Delta", "Engine", "EngineConfig",
            "InvalidBranch", "KVCacheFull", "Request", "Runner", "RunnerFailure", "Sampler", "SamplingParams",
            "Sequence", "Usage"]
+
+_WHERE = {"BlockManager": ".block_manager", "KVCacheFull": ".block_manager", "InvalidBranch": ".branching",
+          "EngineConfig": ".config", "Controller": ".cursor", "Engine": ".llm_engine", "Completion": ".output",
+          "Delta": ".output", "Usage": ".output", "Capabilities": ".runner", "Runner": ".runner",
+          "RunnerFailure": ".runner", "Sampler": ".sampler", "Request": ".sequence", "SamplingParams": ".sequence",
+          "Sequence": ".sequence"}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
+    raise AttributeError(f"module 'rudder.engine' has no attribute {name!r}")

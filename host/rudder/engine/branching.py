@@ -17,6 +17,7 @@ import numpy as np
 from ..branch import Branch
 from .output import Delta
 from .sequence import Request, Sequence, SeqStatus
+from .trace import trace_of
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -31,6 +32,12 @@ FORK_WORK = 16
 
 class InvalidBranch(ValueError):
     """A Branch the sequence cannot take (too long a backtrack, an empty fast-forward...)."""
+
+
+class BranchLimit(InvalidBranch):
+    """Branches that would take the request past a limit (max_forks): kind `limit`."""
+
+    kind = "limit"
 
 
 @dataclass
@@ -94,10 +101,11 @@ class Steering:
 
     # -- a controller's answer
 
-    def apply_answer(self, seq: Sequence, row: int, answer, deltas: list[Delta]) -> list[Sample]:
+    def apply_answer(self, seq: Sequence, row: int, answer, deltas: list[Delta], seconds: float = 0.0) -> list[Sample]:
         """Apply what `mid_process` returned (a Branch list, or the exception it raised) to a
         sequence whose logits are `row`; returns the rows that sample now. A controller's failure
-        or an invalid Branch ends its own request, nothing else."""
+        or an invalid Branch ends its own request, nothing else. `seconds`: what the call took
+        (for a traced request)."""
         req = seq.request
         try:
             if isinstance(answer, BaseException):
@@ -106,11 +114,13 @@ class Steering:
                 deltas.append(self.finish(seq, "stop"))
                 return []
             if req.live + len(answer) - 1 > self.max_forks:
-                raise InvalidBranch(f"{len(answer)} branches would exceed {self.max_forks} live sequences")
+                raise BranchLimit(f"{len(answer)} branches would exceed {self.max_forks} live sequences")
             forks = [seq] + [self.fork(seq, deltas) for _ in answer[1:]]
             samples = []
             for k, (s, branch) in enumerate(zip(forks, answer)):
                 s.cursor.took(k if len(answer) > 1 else 0)
+                if req.trace is not None:
+                    req.trace.append(trace_of(s, k, branch, seconds))
                 if self.apply_branch(s, branch, deltas):
                     samples.append(Sample(s, row, branch))
             return samples

@@ -114,11 +114,13 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    controller: Controller | None = None, limits: Limits | None = None) -> Request:
+                    controller: Controller | None = None, limits: Limits | None = None,
+                    trace: bool = False) -> Request:
         """Queue a request. The engine owns `controller` from here on (it is closed even if the
         request is refused). `limits`: the request's controller limits, whose progress budgets
         (steps and work per token, controller CPU per token) the engine enforces; default: the
-        ABI's defaults."""
+        ABI's defaults. `trace`: record every Branch applied (engine/trace.py; its completions
+        carry them)."""
         try:
             if self.failure is not None:
                 raise RunnerFailure(self.failure)
@@ -146,6 +148,8 @@ class Engine:
             raise
         limits = limits or getattr(controller, "limits", None) or Limits()
         req = Request(next(self._request_ids), prompt_ids, params, limits)
+        if trace:
+            req.trace = []
         seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req)
         if controller is not None:
             seq.cursor = ControllerCursor(controller, prompt_ids)
@@ -274,7 +278,7 @@ class Engine:
             else:
                 answer, secs = flight.calls[seq.seq_id].result()
                 seq.request.usage.controller_s += secs
-                samples.extend(self.steering.apply_answer(seq, row, answer, deltas))
+                samples.extend(self.steering.apply_answer(seq, row, answer, deltas, secs))
         if late:  # keep their rows; they sample when their answers come
             kept = self.runner.logits(flight.handle, [rows[i] for i in late])
             for j, (seq_id, seq) in enumerate(late.items()):
@@ -308,13 +312,10 @@ class Engine:
             seq = late.seq
             answer, secs = late.call.result()
             seq.request.usage.controller_s += secs
-            samples = [s for s in self.steering.apply_answer(seq, 0, answer, deltas) if not s.seq.finished]
-            if samples:
+            samples = [s for s in self.steering.apply_answer(seq, 0, answer, deltas, secs) if not s.seq.finished]
+            if samples:  # every fork samples from the kept row (row 0 of it)
                 rows = late.logits.index_select(0, torch.zeros(len(samples), dtype=torch.long))
-                out = self.sampler.sample(rows, [s.seq.params for s in samples], [s.seq.rng for s in samples],
-                                          [s.branch.mask if s.branch is not None else None for s in samples])
-                for s, token, logprob in zip(samples, out.tokens, out.logprobs):
-                    self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
+                self._sample(None, samples, deltas, kept=rows)
             self._check_budgets({seq.request}, deltas)
 
     def _check_budgets(self, requests, deltas: list[Delta]) -> None:
@@ -324,10 +325,20 @@ class Engine:
                 if reason is not None:
                     self.steering.fail_request(req, f"controller limit: {reason}", deltas)
 
-    def _sample(self, handle, samples: list[Sample], deltas: list[Delta]) -> None:
+    def _sample(self, handle, samples: list[Sample], deltas: list[Delta], kept: torch.Tensor | None = None) -> None:
+        """Sample every Sample at once through the runner, or here from `kept` logits rows (a late
+        sequence's, one per Sample)."""
         masks = [s.branch.mask if s.branch is not None else None for s in samples]
-        out = self.runner.sample(handle, [s.row for s in samples], [s.seq.params for s in samples],
-                                 [s.seq.rng for s in samples], masks)
+        params = [s.seq.params for s in samples]
+        # Penalties need each row's tokens; only a runner that samples in this process gets them
+        # (LLM refuses penalties on a pipeline).
+        extra = {"history": [(s.seq.token_ids, s.seq.num_prompt) if s.seq.params.penalized else None
+                             for s in samples]} if any(p.penalized for p in params) else {}
+        rngs = [s.seq.rng for s in samples]
+        if kept is not None:
+            out = self.sampler.sample(kept, params, rngs, masks, **extra)
+        else:
+            out = self.runner.sample(handle, [s.row for s in samples], params, rngs, masks, **extra)
         for s, token, logprob in zip(samples, out.tokens, out.logprobs):
             self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
 
@@ -374,7 +385,8 @@ class Engine:
         stats = None if req.spec_stats is None else req.spec_stats.as_dict(sum(x.num_output for x in req.seqs))
         return [Completion(req.request_id, s.branch, s.output.text, s.output_ids, s.finish_reason or "",
                            len(req.prompt_ids), s.logprobs if s.params.logprobs is not None else None, s.error,
-                           speculative=stats)
+                           speculative=stats,
+                           trace=None if req.trace is None else [t for t in req.trace if t.branch == s.branch])
                 for s in req.seqs]
 
     def release(self, req: Request) -> None:

@@ -43,12 +43,13 @@ class ModelRunner:
     def logits(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
-    def sample(self, logits: torch.Tensor, rows: list[int], params: list, rngs: list, masks: list) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, rows: list[int], params: list, rngs: list, masks: list,
+               history: list | None = None) -> SampleOutput:
         """Sample one token per entry of `rows` (rows of `logits`; forks share a row), each under
-        its own params, generator and mask."""
+        its own params, generator and mask (`history`: see Sampler.sample)."""
         if rows != list(range(logits.shape[0])):  # forks share a row; some rows do not sample
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        return self.sampler.sample(logits, params, rngs, masks)
+        return self.sampler.sample(logits, params, rngs, masks, history)
 
     def skip(self, logits: torch.Tensor) -> None:
         pass

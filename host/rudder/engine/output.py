@@ -3,6 +3,7 @@ them (detokenization, stop strings, backtracking)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ class Delta:
     backtrack_chars: int = 0
     backtrack_tokens: int = 0
     speculative: dict | None = None  # on a finished delta of a speculative stream (LLM.stream): its stats
+    trace: list | None = None  # on a finished delta of a traced stream: the Branch records applied (engine/trace.py)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Completion:
     error: str | None = None
     branches: list["Completion"] = field(default_factory=list, repr=False)  # all forks (LLM.generate)
     speculative: dict | None = None  # speculative decoding stats of the request (engine/speculative.py)
+    trace: list | None = None  # the Branch records applied to this sequence (engine/trace.py), when asked for
 
 
 class TextOutput:
@@ -106,3 +109,87 @@ class TextOutput:
             return ""
         delta, self.emitted = self.text[self.emitted: upto], upto
         return delta
+
+
+@dataclass
+class Piece:
+    """Stream content released to a client: text, its tokens and their logprobs (aligned with
+    the tokens; None for a token the controller forced)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict | None] = field(default_factory=list)
+
+    def extend(self, other: "Piece") -> None:
+        self.text += other.text
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+
+
+class BacktrackTooFar(Exception):
+    """A backtrack reached text already released: the controller took back more than it declared."""
+
+
+class HeldStream:
+    """One sequence's stream for a client that cannot take text back (an OpenAI client).
+
+    A controller declares a backtrack depth N (`window`): once N tokens follow a token, it never
+    takes that token back. So a delta is held until at least N tokens follow it, then released:
+    nothing released can be taken back by a controller that keeps its word. `window` 0 releases
+    at once (the built-in constraint controllers never backtrack); None holds everything until
+    the sequence ends (a controller that declared nothing). A backtrack that reaches released
+    text raises BacktrackTooFar."""
+
+    def __init__(self, window: int | None):
+        self.window = window
+        self._held: deque[Piece] = deque()
+        self._held_tokens = 0
+        self.released_tokens = 0
+
+    def push(self, delta: Delta) -> Piece:
+        """Take one engine delta; returns what may be shown now."""
+        if delta.backtrack_tokens or delta.backtrack_chars:
+            self._take_back(delta.backtrack_tokens, delta.backtrack_chars)
+        logprobs: list[dict | None] = [None] * len(delta.token_ids)
+        if delta.logprobs and delta.token_ids:  # a sampled token comes first; the rest were forced
+            logprobs[0] = delta.logprobs[0]
+        if delta.text or delta.token_ids:
+            self._held.append(Piece(delta.text, list(delta.token_ids), logprobs))
+            self._held_tokens += len(delta.token_ids)
+        if delta.finished or self.window is None:
+            return self._release(everything=delta.finished)
+        return self._release()
+
+    def _release(self, everything: bool = False) -> Piece:
+        out = Piece()
+        if self.window is None and not everything:
+            return out
+        while self._held and (everything or self._held_tokens - len(self._held[0].token_ids) >= self.window):
+            piece = self._held.popleft()
+            self._held_tokens -= len(piece.token_ids)
+            self.released_tokens += len(piece.token_ids)
+            out.extend(piece)
+        return out
+
+    def _take_back(self, n_tokens: int, n_chars: int) -> None:
+        held_chars = sum(len(p.text) for p in self._held)
+        if n_chars > held_chars or (n_tokens > self._held_tokens and self.released_tokens):
+            raise BacktrackTooFar(f"the controller took back {n_tokens} tokens, past the {self.window} it "
+                                  "declared (max_backtrack); their text had been streamed")
+        for piece in reversed(self._held):  # the text: from the end of the held pieces
+            if not n_chars:
+                break
+            cut = min(n_chars, len(piece.text))
+            piece.text = piece.text[: len(piece.text) - cut]
+            n_chars -= cut
+        remaining = n_tokens
+        for piece in reversed(self._held):  # the tokens, with their logprobs
+            if not remaining:
+                break
+            k = min(remaining, len(piece.token_ids))
+            del piece.token_ids[len(piece.token_ids) - k:]
+            del piece.logprobs[len(piece.logprobs) - k:]
+            remaining -= k
+        self._held_tokens = max(0, self._held_tokens - n_tokens)
+        while self._held and not self._held[-1].text and not self._held[-1].token_ids:
+            self._held.pop()

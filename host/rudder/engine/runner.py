@@ -15,15 +15,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..errors import RunnerFailure
 from .sampler import SampleOutput
 from .step import ScheduledSeq
 
 __all__ = ["Capabilities", "Runner", "RunnerFailure"]
-
-
-class RunnerFailure(RuntimeError):
-    """The model runner itself failed (a pipeline stage died or timed out): every request in
-    flight ends with this error, and the engine takes no more requests."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +44,9 @@ class Runner(Protocol):
         """Float32 logits of these rows, [len(rows), vocab], a copy the caller may change."""
 
     def sample(self, handle: Any, rows: list[int], params: list, rngs: list,
-               masks: list[np.ndarray | None]) -> SampleOutput: ...
+               masks: list[np.ndarray | None]) -> SampleOutput:
+        """One token per row. When some row's params are `penalized`, the engine also passes
+        `history=` (each row's token ids and prompt length); only `ModelRunner` takes it."""
 
     def skip(self, handle: Any) -> None:
         """The step's logits are not sampled (every row backtracked or failed)."""

@@ -6,6 +6,11 @@ it, the mask is expanded byte by byte through a 256-entry table into a penalty r
 per token) kept across steps, then added to the logits in place. Either way: no Python loop over
 the vocabulary and no vocab-sized allocation per step.
 
+Logit processing (OpenAI / vLLM semantics), for the rows that ask: repetition, frequency and
+presence penalties over the sequence's tokens (`history`), then `logit_bias`, all as one
+scatter into the logits: the work follows the history's length, never the vocabulary's.
+`min_p` is applied with temperature, on the probabilities the row samples from.
+
 Randomness: every sequence owns a `numpy.random.Generator`; a sampled token consumes exactly
 one uniform draw from it (inverse-CDF sampling), so a seeded request gives the same tokens
 whatever else shares its batch.
@@ -106,17 +111,62 @@ class Sampler:
         else:
             logits.index_add_(0, torch.tensor(rows, device=logits.device), torch.from_numpy(penalty).to(logits.device))
 
+    def apply_processing(self, logits: torch.Tensor, params: list[SamplingParams],
+                         history: list[tuple[list[int], int]] | None) -> None:
+        """Penalties and logit_bias, in place. `history[i]`: (token ids, prompt length) of row i's
+        sequence, needed by the rows whose params are `penalized`."""
+        rows, cols, vals = [], [], []
+
+        def add(row: int, ids: np.ndarray, values: np.ndarray) -> None:
+            rows.append(np.full(len(ids), row, dtype=np.int64))
+            cols.append(ids)
+            vals.append(values)
+
+        vocab = logits.shape[1]
+        for i, p in enumerate(params):
+            if p.penalized and history is not None and history[i] is not None:
+                ids, n_prompt = history[i]
+                seen = np.fromiter(ids, dtype=np.int64, count=len(ids))
+                if p.repetition_penalty != 1.0 and len(seen):
+                    self._repetition(logits, i, np.unique(seen), p.repetition_penalty)
+                out = seen[n_prompt:]
+                if len(out) and p.frequency_penalty:  # accumulated: a token's count times the penalty
+                    add(i, out, np.full(len(out), -p.frequency_penalty, dtype=np.float32))
+                if len(out) and p.presence_penalty:
+                    present = np.unique(out)
+                    add(i, present, np.full(len(present), -p.presence_penalty, dtype=np.float32))
+            if p.logit_bias:
+                ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+                bias = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+                keep = ids < vocab  # callers check ids against the vocabulary; never index past it
+                add(i, ids[keep], bias[keep])
+        if rows:
+            index = (torch.from_numpy(np.concatenate(rows)).to(logits.device),
+                     torch.from_numpy(np.concatenate(cols)).to(logits.device))
+            values = torch.from_numpy(np.concatenate(vals)).to(logits.device, logits.dtype)
+            logits.index_put_(index, values, accumulate=True)
+
+    @staticmethod
+    def _repetition(logits: torch.Tensor, row: int, ids: np.ndarray, penalty: float) -> None:
+        index = torch.from_numpy(ids).to(logits.device)
+        values = logits[row].index_select(0, index)
+        logits[row].index_copy_(0, index, torch.where(values > 0, values / penalty, values * penalty))
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[np.random.Generator],
-               masks: list[np.ndarray | None] | None = None) -> SampleOutput:
-        """logits: [rows, V] float (modified in place). One token per row."""
+               masks: list[np.ndarray | None] | None = None,
+               history: list[tuple[list[int], int] | None] | None = None) -> SampleOutput:
+        """logits: [rows, V] float (modified in place). One token per row. `history`: each row's
+        (token ids, prompt length), given when some row is penalized."""
         n = logits.shape[0]
         logits = logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
         unmasked = masks is None or all(m is None for m in masks)
-        if unmasked and all(p.temperature == 0 and p.logprobs is None for p in params):
+        if unmasked and all(p.temperature == 0 and p.logprobs is None and not p.processed for p in params):
             return SampleOutput(_argmax(logits).tolist(), [None] * n)  # greedy: the argmax is all there is
         if masks is not None:
             self.apply_masks(logits, masks)
+        if any(p.penalized or p.logit_bias for p in params):
+            self.apply_processing(logits, params, history)
         want_logprobs = [p.logprobs is not None for p in params]
         logprob_table = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
@@ -166,6 +216,9 @@ class Sampler:
             if p.top_p < 1.0:
                 keep_nucleus(x[j], p.top_p)
         probs = x.softmax(dim=-1)
+        for j, i in enumerate(rows):  # min_p: drop what is under min_p times the most likely token
+            if params[i].min_p > 0:  # (the draw below scales by the remaining total)
+                probs[j].masked_fill_(probs[j] < probs[j].max() * params[i].min_p, 0.0)
         cdf = probs.cumsum_(dim=-1)
         u = torch.tensor([draw_uniform(params[i], rngs[i]) for i in rows], dtype=cdf.dtype, device=cdf.device)
         u.mul_(cdf[:, -1])  # scale by the total (float rounding) so u never exceeds the last bin

@@ -30,6 +30,18 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's plus the top n
     speculative: str | None = None  # None, "lookup" or "draft": speculative decoding (docs/speculative.md)
     spec_k: int = 8  # the most draft tokens per target forward (adapted below it)
+    # Logit processing, in the sampler, before masks and temperature (OpenAI / vLLM semantics):
+    presence_penalty: float = 0.0    # minus this, once, for every token already in the output
+    frequency_penalty: float = 0.0   # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: /p if positive, *p if not
+    min_p: float = 0.0               # drop tokens whose probability is under min_p * the top one's
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100)
+    # Structured output without naming a controller (LLM turns it into a built-in one; the
+    # engine itself takes controllers, and refuses params that still carry these).
+    json_schema: dict | str | None = None  # a JSON Schema (dict or JSON text): the `json` controller
+    regex: str | None = None               # the whole output matches it: `regex`
+    choice: list[str] | None = None        # the output is one of these strings: `choices`
+    grammar: str | None = None             # a Lark (or GBNF: `::=`) grammar: `grammar`
 
     def validate(self) -> "SamplingParams":
         if self.max_tokens < 1:
@@ -52,7 +64,42 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias maps token ids to numbers") from None
+            if any(k < 0 for k in bias) or any(not -100.0 <= v <= 100.0 for v in bias.values()):
+                raise ValueError("logit_bias maps token ids (>= 0) to values between -100 and 100")
+            self.logit_bias = bias
+        if self.speculative is not None and (self.penalized or self.logit_bias):
+            raise ValueError("penalties and logit_bias are not available with speculative decoding")
+        constraint = self.constraint_fields()
+        if constraint:
+            raise ValueError(f"{', '.join(constraint)}: structured output is turned into a controller by LLM "
+                             "(LLM.generate/stream/chat); Engine.add_request takes the controller itself")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the sequence's tokens (presence/frequency/repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processed(self) -> bool:
+        """Whether the sampler changes the logits beyond masks, temperature and top-k/p."""
+        return self.penalized or bool(self.logit_bias) or self.min_p > 0
+
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields that are set."""
+        return [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
 
 
 class SeqStatus(Enum):
@@ -78,6 +125,7 @@ class Request:
         self.error: str | None = None
         self.usage = Usage()
         self.work = 0  # tokens appended to, or re-fed into, its sequences, plus a cost per fork
+        self.trace: list | None = None  # engine/trace.py's TraceSteps, when the request asked for them
         self.spec_stats = None  # speculative.SpecStats of a speculative request
 
     @property

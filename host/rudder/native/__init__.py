@@ -32,9 +32,11 @@ typedef struct rudder_ticker rudder_ticker;
 rudder_ticker *rudder_ticker_start(void *engine, void *increment, long period_ns);
 void rudder_ticker_stop(rudder_ticker *t);
 typedef struct rudder_deadline {
-    int64_t cpu_limit_ns; int64_t wall_limit_ns; int64_t charged_ns; int64_t tick_ns; int32_t expired;
-    void *error_new;
+    int64_t cpu_limit_ns; int64_t wall_limit_ns; int64_t tick_ns; int32_t expired;
+    void *error_new; void *set_deadline; void *call;
 } rudder_deadline;
+void *rudder_guarded_call(rudder_deadline *d, void *context, const void *func, void *args, size_t n, void **trap,
+                          uint64_t ticks, int64_t cpu_budget_ns, int64_t wall_budget_ns);
 void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall_budget_ns);
 int64_t rudder_deadline_left_ns(const rudder_deadline *d);
 void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8_t *kind);

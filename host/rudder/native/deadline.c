@@ -2,8 +2,7 @@
  *
  * The epoch ticker advances every few milliseconds of wall time; when a store's epoch deadline
  * passes, wasmtime calls rudder_deadline_callback on the guest's own thread. It compares that
- * thread's CPU time (plus the time charged by host imports that ran elsewhere, e.g. a
- * tokenizer's worker pool) with the call's budget: under budget, the deadline moves on by the
+ * thread's CPU time (host imports such as tokenizing run on it too) with the call's budget: under budget, the deadline moves on by the
  * ticks still left; over it, the callback returns an error and the call ends. So a controller
  * is charged for the time it computed, not for time its thread waited for a core on a busy
  * machine. A wall-clock cap (several times the budget) still ends a call whose thread is
@@ -13,14 +12,18 @@
 #include <time.h>
 
 typedef void *(*rudder_error_new_fn)(const char *message);   /* wasmtime_error_new */
+typedef void (*rudder_set_deadline_fn)(void *context, uint64_t ticks);  /* wasmtime_context_set_epoch_deadline */
+typedef void *(*rudder_call_fn)(void *context, const void *func, void *args, size_t n, void **trap);
+                                                              /* wasmtime_func_call_unchecked */
 
 typedef struct rudder_deadline {
     int64_t cpu_limit_ns;   /* thread CPU time (CLOCK_THREAD_CPUTIME_ID) at which the call is over */
     int64_t wall_limit_ns;  /* CLOCK_MONOTONIC time at which it is over, however little CPU it used */
-    int64_t charged_ns;     /* time host imports spent for the call outside this thread's CPU clock */
     int64_t tick_ns;        /* the epoch tick */
     int32_t expired;        /* 1: CPU budget spent, 2: wall cap reached (set when the call is ended) */
     rudder_error_new_fn error_new;
+    rudder_set_deadline_fn set_deadline;
+    rudder_call_fn call;
 } rudder_deadline;
 
 static int64_t now_ns(clockid_t clock) {
@@ -33,13 +36,21 @@ static int64_t now_ns(clockid_t clock) {
 void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall_budget_ns) {
     d->cpu_limit_ns = now_ns(CLOCK_THREAD_CPUTIME_ID) + cpu_budget_ns;
     d->wall_limit_ns = now_ns(CLOCK_MONOTONIC) + wall_budget_ns;
-    d->charged_ns = 0;
     d->expired = 0;
 }
 
 /* CPU time this thread still has before the call is over budget (negative: over). */
 int64_t rudder_deadline_left_ns(const rudder_deadline *d) {
-    return d->cpu_limit_ns - d->charged_ns - now_ns(CLOCK_THREAD_CPUTIME_ID);
+    return d->cpu_limit_ns - now_ns(CLOCK_THREAD_CPUTIME_ID);
+}
+
+/* One call into the guest under a fresh budget: arm, set the epoch deadline, call (one crossing
+ * from Python instead of three: this is on the per-token path). */
+void *rudder_guarded_call(rudder_deadline *d, void *context, const void *func, void *args, size_t n, void **trap,
+                          uint64_t ticks, int64_t cpu_budget_ns, int64_t wall_budget_ns) {
+    rudder_deadline_arm(d, cpu_budget_ns, wall_budget_ns);
+    d->set_deadline(context, ticks);
+    return d->call(context, func, args, n, trap);
 }
 
 void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8_t *kind) {

@@ -1,6 +1,8 @@
 """The one thread that owns the Engine: it takes submitted and cancelled jobs from a queue
-between steps, steps the engine while anything runs, and posts each step's deltas to the jobs'
-asyncio queues. Nothing else touches the engine (reads of counters for /metrics aside)."""
+between steps (so a cancel takes effect before the next step), steps the engine while anything
+runs, and posts each step's deltas to the jobs' asyncio queues. It also times what the latency
+histograms record (queue time, first token, gaps between tokens). Nothing else touches the
+engine (reads of counters for /metrics aside)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 
 from ..controller import ControllerError
 from ..engine import Engine, RunnerFailure
-from .errors import APIError, from_finish
+from .errors import APIError, controller_error, from_finish
 from .jobs import Job, Result
 from .metrics import Metrics
 
@@ -84,12 +86,18 @@ class EngineLoop:
         try:
             req = self.engine.add_request(job.prompt, job.params, job.controller)  # closes it on refusal
         except (ValueError, RunnerFailure, ControllerError) as e:
-            kind = "engine_error" if isinstance(e, RunnerFailure) else "invalid_request"
-            self.metrics.failure(kind)
-            job.post(("error", APIError(kind, str(e))))
+            if isinstance(e, ControllerError):  # its kind and log reach the client, as everywhere else
+                error = controller_error(e)
+                self.metrics.failure(e.kind)
+            else:
+                error = APIError("engine_error" if isinstance(e, RunnerFailure) else "invalid_request", str(e))
+                self.metrics.failure(error.type)
+            job.outcome = "error"
+            job.post(("error", error))
             return
         job.request = req
         self._jobs[req.request_id] = job
+        self.metrics.queue.observe(time.perf_counter() - job.arrived)
 
     def _cancel(self, job: Job) -> None:
         req = job.request
@@ -98,6 +106,7 @@ class EngineLoop:
         self.engine.cancel(req.request_id)  # frees its KV blocks and closes its controllers
         self.engine.release(req)
         self.metrics.cancelled += 1
+        job.outcome = "cancelled"
 
     def _dispatch(self, deltas) -> None:
         by_job: dict[int, list] = {}
@@ -106,10 +115,17 @@ class EngineLoop:
             by_job.setdefault(d.request_id, []).append(d)
             tokens += len(d.token_ids)
         self.metrics.add_tokens(tokens)
+        now = time.perf_counter()
         for request_id, ds in by_job.items():
             job = self._jobs.get(request_id)
             if job is None:
                 continue
+            if any(d.token_ids for d in ds):
+                if job.last_tokens_at is None:
+                    self.metrics.ttft.observe(now - job.arrived)
+                else:
+                    self.metrics.itl.observe(now - job.last_tokens_at)
+                job.last_tokens_at = now
             job.post(("step", ds, job.new_log()))
             if job.request.finished:
                 self._finish(job)
@@ -127,11 +143,14 @@ class EngineLoop:
             self.metrics.failure(error.extra.get("kind", error.type))
         result = Result(completions, len(req.prompt_ids), req.usage, time.perf_counter() - job.started, log_text, error)
         self.metrics.finished(result)
+        self.metrics.e2e.observe(time.perf_counter() - job.arrived)
+        job.outcome = "error" if error is not None else "ok"
         job.post(("done", result))
 
     def _fail_all(self, error: APIError) -> None:
         for job in list(self._jobs.values()):
             self._cancel(job)
+            job.outcome = "error"
             job.post(("error", error))
         while True:  # jobs never added (stopping): their controllers are still ours to close
             try:
@@ -141,4 +160,5 @@ class EngineLoop:
             if kind == "add":
                 if job.controller is not None:
                     job.controller.close()
+                job.outcome = "error"
                 job.post(("error", error))

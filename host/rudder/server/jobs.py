@@ -1,8 +1,9 @@
-"""A Job: one HTTP request's engine request, seen from the event loop.
+"""A Job: one engine request seen from the event loop (an HTTP request may run several: one per
+prompt of a legacy completion).
 
-The engine thread posts events into the job's asyncio queue (thread-safely); the HTTP handler
-reads them. Events: ("step", [Delta...], new log text), then ("done", Result) or
-("error", APIError)."""
+The engine thread posts events into the job's asyncio queue (thread-safely), which several jobs
+of one HTTP request may share; the handler reads them. Events: `(job, "step", [Delta...], new
+log text)`, then `(job, "done", Result)` or `(job, "error", APIError)`."""
 
 from __future__ import annotations
 
@@ -42,22 +43,35 @@ class Result:
 
 
 class Job:
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt, params: SamplingParams, controller=None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt, params: SamplingParams, controller=None, *,
+                 queue: asyncio.Queue | None = None, index: int = 0, arrived: float | None = None,
+                 tenant: str = "anonymous", label: str = "", module_id: str | None = None):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+        self.index = index              # which prompt of its HTTP request
         self.prompt = prompt            # text or token ids
         self.params = params
         self.controller = controller    # a started Controller; the engine owns it once submitted
         self.request = None             # the engine's Request, set by the engine thread
         self.log_offset = 0             # how much of the controller's log was streamed
+        self.arrived = arrived if arrived is not None else time.perf_counter()  # the HTTP request's arrival
         self.started = time.perf_counter()
+        self.tenant = tenant
+        self.label = label              # the controller as the request named it (for the log line)
+        self.module_id = module_id      # the module it runs (registry use counts)
+        self.window: int | None = 0     # tokens its controller may take back (None: unknown)
+        self.last_tokens_at: float | None = None  # engine thread: when a step last gave it tokens
         self.finished = False           # a done/error event was posted
+        self.outcome = "running"        # ok, error, cancelled (for the log line)
+        self.result: Result | None = None  # set by Service.events from the "done" event
+        self.error: APIError | None = None
+        self.ended = False              # Service.end has released it
 
     def post(self, event: tuple) -> None:
         """From the engine thread: hand an event to the handler."""
         if event[0] != "step":
             self.finished = True
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self, *event))
 
     def new_log(self) -> str:
         """The controller log written since the last call (engine thread, between steps)."""

@@ -1,139 +1,349 @@
 """OpenAI-compatible endpoints: POST /v1/completions and /v1/chat/completions, streamed or not.
 
-Constraints map onto the built-in controllers:
-- `response_format: {"type": "json_schema", "json_schema": {"schema": S}}` -> `json` with S;
-- `response_format: {"type": "json_object"}` -> `json` with `{}` (any JSON value);
-- the extension field `rudder`: `{"regex": P}` -> `regex` with P, `{"grammar": G}` -> `grammar`
-  with G, or `{"controller": tag or module id, "controller_arg": ..., "controller_limits": {...}}`;
-- `n > 1` without a controller -> the `fork` controller with argument n (one choice per fork).
-A stream that backtracks says so in an extension field of the choice: `rudder_backtrack` is the
-number of characters to delete before appending `content`/`text`.
+Which controller a request gets: dialects.py (every structured-output dialect) and tools.py
+(tool calls). What a client sees:
+
+- **Streams never show text that is taken back.** A controller declares a backtrack depth N
+  (`max_backtrack`: once N tokens follow a token, it never takes it back; 0 for the built-in
+  constraint controllers, twice the word's length for `backtrack`, a tag's declaration, or the
+  request's `rudder.max_backtrack`); the stream holds each piece of text until N tokens follow it
+  (engine/output.py, HeldStream). A controller that declared nothing is held until it ends.
+  Taking back released text ends the request with an error. `rudder.stream_backtrack: true` streams the raw deltas instead, with
+  `rudder_backtrack` (characters to delete first) on the choice.
+- **Logprobs** (chat `logprobs`/`top_logprobs`, completions `logprobs`) are those of the
+  distribution the token was drawn from (after logit_bias, penalties and the controller's mask,
+  before temperature); a token the controller forced has logprob 0 (it had no alternative).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
-from .errors import APIError
+from ..engine.output import BacktrackTooFar, HeldStream, Piece
+from .auth import ANONYMOUS
+from .dialects import steer_of
+from .errors import APIError, unsupported
 from .schemas import ChatRequest, CompletionRequest
-from .service import Service, sse
-
-
-def controller_for(body) -> tuple[str | None, str, dict | None]:
-    """(controller, argument, limits) that a request's constraints ask for."""
-    wanted = []
-    fmt = body.response_format
-    if fmt is not None and fmt.type == "json_schema":
-        schema = (fmt.json_schema or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise APIError("invalid_request", "response_format json_schema needs json_schema.schema (an object)")
-        wanted.append(("json", json.dumps(schema)))
-    elif fmt is not None and fmt.type == "json_object":
-        wanted.append(("json", "{}"))
-    ext = body.rudder
-    limits = None
-    if ext is not None:
-        limits = ext.controller_limits
-        if ext.regex is not None:
-            wanted.append(("regex", ext.regex))
-        if ext.grammar is not None:
-            wanted.append(("grammar", ext.grammar))
-        if ext.controller is not None:
-            wanted.append((ext.controller, ext.controller_arg))
-    if len(wanted) > 1:
-        raise APIError("invalid_request", "give one constraint: response_format, rudder.regex, rudder.grammar "
-                       "or rudder.controller")
-    if body.n > 1:
-        if wanted:
-            raise APIError("invalid_request", "n > 1 works without a constraint only (it uses the fork "
-                           "controller); with one, send n requests")
-        wanted.append(("fork", str(body.n)))
-    name, arg = wanted[0] if wanted else (None, "")
-    return name, arg, limits
+from .service import Service, event_stream, sse
+from .tools import ToolCallParser, ToolPlan, render_messages
 
 
 def add_routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         svc: Service = request.app.state.service
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1:
-            raise APIError("invalid_request", "send one prompt per request")
-        return await _serve(svc, request, body, prompts[0], body.max_tokens, chat=False)
+        return await svc.until_disconnect(request, _completions(svc, body, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         svc: Service = request.app.state.service
-        prompt = svc.prompt(None, body.messages)
-        return await _serve(svc, request, body, prompt, body.max_completion_tokens or body.max_tokens, chat=True)
+        return await svc.until_disconnect(request, _chat(svc, body, request))
 
 
-async def _serve(svc: Service, request: Request, body, prompt: str, max_tokens: int | None, chat: bool):
-    controller, arg, limits = controller_for(body)
-    params = svc.sampling(body, max_tokens)
-    job = await svc.start(prompt, params, controller, arg, limits)
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-            "model": body.model or svc.config.model}
+@dataclass
+class _Shape:
+    """How to answer: chat or completion, tools, logprobs, raw backtrack deltas, echo."""
+
+    chat: bool
+    n: int
+    tools: ToolPlan | None = None
+    logprobs: int | None = None      # top-n (0: only the token's), None: none
+    raw: bool = False
+    echo: list[str] | None = None    # per prompt (completions)
+
+    @property
+    def mode(self) -> str | None:
+        return self.tools.mode if self.tools is not None else None
+
+
+async def _chat(svc: Service, body: ChatRequest, request: Request):
+    body.refuse_unsupported()
+    svc.check_model(body.model)
+    plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if plan is not None and plan.mode and body.n > 1:
+        raise APIError("invalid_request", "n > 1 with tool calls is not supported: send n requests", param="n")
+    messages = render_messages([{"role": m.role, "content": m.text(), "tool_calls": m.tool_calls}
+                                for m in body.messages], plan)
+    prompt = svc.chat_prompt(messages, plan.prompt_suffix if plan is not None else "")
+    ids = svc.encode(prompt, "messages")
+    steer = steer_of(body, plan)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = svc.sampling(body, body.max_completion_tokens or body.max_tokens, len(ids), "messages",
+                          logprobs=logprobs)
+    shape = _Shape(True, body.n, plan if plan is not None and plan.mode else None, logprobs, _raw(body, plan))
+    jobs = await svc.start_all([(ids, params)], steer, _who(request))
+    return await _respond(svc, jobs, body, shape, "chatcmpl")
+
+
+async def _completions(svc: Service, body: CompletionRequest, request: Request):
+    body.refuse_unsupported()
+    svc.check_model(body.model)
+    prompts = body.prompt
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if body.echo and body.logprobs is not None:
+        raise unsupported("echo with logprobs", "the prompt's logprobs are not computed")
+    steer = steer_of(body)
+    specs, echo = [], []
+    for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        ids = svc.encode(p, param)
+        specs.append((ids, svc.sampling(body, body.max_tokens, len(ids), param, logprobs=body.logprobs)))
+        echo.append((p if isinstance(p, str) else svc.tokenizer.decode(ids)) if body.echo else "")
+    shape = _Shape(False, body.n, None, body.logprobs, _raw(body, None), echo if body.echo else None)
+    jobs = await svc.start_all(specs, steer, _who(request))
+    return await _respond(svc, jobs, body, shape, "cmpl")
+
+
+def _who(request: Request):
+    return getattr(request.state, "principal", ANONYMOUS)
+
+
+def _raw(body, plan: ToolPlan | None) -> bool:
+    raw = bool(body.rudder is not None and body.rudder.stream_backtrack)
+    if raw and plan is not None and plan.mode:
+        raise APIError("invalid_request", "rudder.stream_backtrack cannot be used with tool calls",
+                       param="rudder.stream_backtrack")
+    return raw
+
+
+async def _respond(svc: Service, jobs, body, shape: _Shape, prefix: str):
+    head = {"id": body.request_id or f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+            "model": body.model or svc.config.served_name}
     if body.stream:
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(svc, job, request, head, chat, usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    result = await svc.result(job, request)
-    choices = []
-    for c in result.completions:
-        choice = {"index": c.branch, "finish_reason": c.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
+        return event_stream(svc, jobs, _stream(svc, jobs, shape, head, body.stream_options))
+    return await _whole(svc, jobs, shape, head)
+
+
+# -- one choice -----------------------------------------------------------------------------------
+
+class _Choice:
+    """One choice as the engine's deltas arrive: what a client may see (held back while the
+    controller could take it back), its tokens and logprobs, and its tool calls."""
+
+    def __init__(self, index: int, window: int | None, shape: _Shape):
+        self.index = index
+        self.held = HeldStream(window)
+        self.parser = ToolCallParser(shape.mode) if shape.mode else None
+        self.shown = Piece()  # released so far
+        self.started = False
+        self.finish_reason: str | None = None
+
+    def push(self, delta, raw: bool) -> Piece:
+        if raw:  # the delta as is (the client applies rudder_backtrack itself)
+            piece = Piece(delta.text, list(delta.token_ids), [None] * len(delta.token_ids))
+            if delta.logprobs and delta.token_ids:
+                piece.logprobs[0] = delta.logprobs[0]
         else:
-            choice["text"] = c.text
-        choices.append(choice)
-    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": _usage(result)}
+            piece = self.held.push(delta)
+        self.shown.extend(piece)
+        return piece
 
 
-def _usage(result) -> dict:
-    u = result.usage_dict()
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+def _token_text(svc: Service, token: int) -> tuple[str, list[int]]:
+    raw = svc.tokenizer.token_bytes[token]
+    return raw.decode("utf-8", "replace"), list(raw)
 
 
-async def _stream(svc: Service, job, request: Request, head: dict, chat: bool, include_usage: bool):
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    started: set[int] = set()
+def _chat_logprobs(svc: Service, piece: Piece, top_n: int) -> dict:
+    content = []
+    for token, lp in zip(piece.token_ids, piece.logprobs):
+        text, raw = _token_text(svc, token)
+        if lp is None:  # forced by the controller: it had no alternative
+            top = [{"token": text, "logprob": 0.0, "bytes": raw}] if top_n else []
+            content.append({"token": text, "logprob": 0.0, "bytes": raw, "top_logprobs": top})
+            continue
+        top = []
+        for tid, value in lp["top"][:top_n]:
+            t_text, t_raw = _token_text(svc, tid)
+            top.append({"token": t_text, "logprob": value, "bytes": t_raw})
+        content.append({"token": text, "logprob": lp["logprob"], "bytes": raw, "top_logprobs": top})
+    return {"content": content, "refusal": None}
 
-    def chunk(choices: list[dict], **extra) -> str:
-        return sse({**head, "object": obj, "choices": choices, **extra})
 
-    async with contextlib.aclosing(svc.events(job, request)) as events:
-        async for kind, *payload in events:
+def _completion_logprobs(svc: Service, piece: Piece, top_n: int, offset: int) -> dict:
+    tokens, values, tops, offsets = [], [], [], []
+    for token, lp in zip(piece.token_ids, piece.logprobs):
+        text, _ = _token_text(svc, token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if lp is None:
+            values.append(0.0)
+            tops.append({text: 0.0} if top_n else {})
+        else:
+            values.append(lp["logprob"])
+            tops.append({_token_text(svc, tid)[0]: v for tid, v in lp["top"][:top_n]})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finish_reason(choice: _Choice, reason: str | None) -> str | None:
+    if reason == "stop" and choice.parser is not None and choice.parser.calls:
+        return "tool_calls"
+    if reason == "cancelled":
+        return "abort"
+    return reason
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+async def _stream(svc: Service, jobs, shape: _Shape, head: dict, opts):
+    obj = "chat.completion.chunk" if shape.chat else "text_completion"
+    include_usage = opts is not None and opts.include_usage
+    continuous = opts is not None and opts.continuous_usage_stats
+    choices: dict[tuple[int, int], _Choice] = {}
+    prompt_tokens = sum(len(j.prompt) for j in jobs)
+    windows = {j.index: j.window for j in jobs}
+
+    def usage() -> dict:
+        done = sum(len(c.shown.token_ids) for c in choices.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+
+    def chunk(items: list[dict], **extra) -> str:
+        if continuous and items:
+            extra.setdefault("usage", usage())
+        return sse({**head, "object": obj, "choices": items, **extra})
+
+    def choice_of(job, branch: int) -> _Choice:
+        key = (job.index, branch)
+        if key not in choices:
+            choices[key] = _Choice(job.index * shape.n + branch, windows[job.index], shape)
+        return choices[key]
+
+    async with contextlib.aclosing(svc.events(jobs)) as events:
+        async for job, kind, *payload in events:
             if kind == "step":
-                choices = []
+                items: dict[int, dict] = {}  # one entry per choice per chunk, as OpenAI sends
                 for d in payload[0]:
-                    choice = {"index": d.branch, "finish_reason": d.finish_reason if d.finished else None,
-                              "logprobs": None}
-                    if chat:
-                        choice["delta"] = {"content": d.text}
-                        if d.branch not in started:
-                            choice["delta"]["role"] = "assistant"
-                    else:
-                        choice["text"] = d.text
-                    started.add(d.branch)
-                    if d.backtrack_chars:
-                        choice["rudder_backtrack"] = d.backtrack_chars
-                    choices.append(choice)
-                yield chunk(choices)
+                    c = choice_of(job, d.branch)
+                    try:
+                        piece = c.push(d, shape.raw)
+                    except BacktrackTooFar as e:  # ends the response; leaving cancels the jobs
+                        yield sse(APIError("controller_error", str(e), param="rudder.max_backtrack",
+                                           code="limit", kind="limit").body())
+                        return
+                    entry = _stream_entry(svc, shape, job, c, piece, d)
+                    if entry is None:
+                        continue
+                    if c.index in items:  # a second delta of this choice in the step: its own chunk
+                        yield chunk(list(items.values()))
+                        items = {}
+                    items[c.index] = entry
+                if items:
+                    yield chunk(list(items.values()))
             elif kind == "error":
                 yield sse(payload[0].body())
-            else:
-                result = payload[0]
-                if result.error is not None:
-                    yield sse(result.error.body())  # the openai client raises it as an APIError
-                elif include_usage:
-                    yield chunk([], usage=_usage(result))
+                return
+            elif payload[0].error is not None:
+                yield sse(payload[0].error.body())  # the openai client raises it as an APIError
+                return
+    if include_usage:
+        yield chunk([], usage=usage())
     yield sse("[DONE]")
+
+
+def _stream_entry(svc: Service, shape: _Shape, job, c: _Choice, piece: Piece, d) -> dict | None:
+    """The chunk entry for one released piece of one choice (and its end, if it ended); None
+    when there is nothing to say."""
+    logprobs = None
+    if shape.logprobs is not None and piece.token_ids:
+        logprobs = (_chat_logprobs(svc, piece, shape.logprobs) if shape.chat else
+                    _completion_logprobs(svc, piece, shape.logprobs, len(c.shown.text) - len(piece.text)))
+    entry: dict = {"index": c.index}
+    if shape.raw and (d.backtrack_chars or d.backtrack_tokens):
+        entry.update(rudder_backtrack=d.backtrack_chars, rudder_backtrack_tokens=d.backtrack_tokens)
+    finish = _finish_reason(c, d.finish_reason) if d.finished else None
+    if not shape.chat:
+        text = piece.text
+        if shape.echo is not None and not c.started:
+            text = shape.echo[job.index] + text
+        if not (text or logprobs or finish or len(entry) > 1 or not c.started):
+            return None
+        c.started = True
+        c.finish_reason = finish
+        return {**entry, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    delta: dict = {}
+    if c.parser is None:
+        if piece.text or not c.started:
+            delta["content"] = piece.text
+    else:
+        events = c.parser.feed(piece.text) + (c.parser.finish() if d.finished else [])
+        finish = _finish_reason(c, d.finish_reason) if d.finished else None  # calls are known now
+        calls: dict[int, dict] = {}
+        for ev in events:
+            if ev[0] == "content":
+                delta["content"] = delta.get("content", "") + ev[1]
+            elif ev[0] == "call":
+                calls[ev[1]] = {"index": ev[1], "id": ev[2], "type": "function",
+                                "function": {"name": ev[3], "arguments": ""}}
+            else:
+                call = calls.setdefault(ev[1], {"index": ev[1], "function": {"arguments": ""}})
+                call["function"]["arguments"] += ev[2]
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+    if not c.started:
+        delta = {"role": "assistant", **delta}
+    if not (delta or logprobs or finish or len(entry) > 1):
+        return None
+    c.started = True
+    c.finish_reason = finish
+    return {**entry, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+# -- whole responses ------------------------------------------------------------------------------
+
+async def _whole(svc: Service, jobs, shape: _Shape, head: dict) -> dict:
+    choices: dict[tuple[int, int], _Choice] = {}
+    async with contextlib.aclosing(svc.events(jobs)) as events:
+        async for job, kind, *payload in events:
+            if kind == "step":
+                for d in payload[0]:
+                    key = (job.index, d.branch)
+                    if key not in choices:
+                        choices[key] = _Choice(job.index * shape.n + d.branch, None, shape)
+                    choices[key].push(d, raw=False)
+            elif kind == "error":
+                raise payload[0]
+            elif payload[0].error is not None:
+                raise payload[0].error
+    out = []
+    prompt_tokens = completion_tokens = 0
+    for job in jobs:
+        result = job.result
+        prompt_tokens += result.prompt_tokens
+        for comp in result.completions:
+            c = choices.get((job.index, comp.branch)) or _Choice(job.index * shape.n + comp.branch, None, shape)
+            completion_tokens += len(comp.token_ids)
+            out.append(_whole_choice(svc, shape, job, c, comp))
+    out.sort(key=lambda ch: ch["index"])
+    return {**head, "object": "chat.completion" if shape.chat else "text_completion", "choices": out,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _whole_choice(svc: Service, shape: _Shape, job, c: _Choice, comp) -> dict:
+    text = comp.text
+    logprobs = None
+    if shape.logprobs is not None:
+        logprobs = (_chat_logprobs(svc, c.shown, shape.logprobs) if shape.chat else
+                    _completion_logprobs(svc, c.shown, shape.logprobs, 0))
+    if not shape.chat:
+        if shape.echo is not None:
+            text = shape.echo[job.index] + text
+        return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(c, comp.finish_reason)}
+    message = {"role": "assistant", "content": text}
+    if c.parser is not None:
+        c.parser.feed(text)
+        c.parser.finish()
+        if c.parser.calls:
+            message = {"role": "assistant", "content": c.parser.content or None,
+                       "tool_calls": c.parser.tool_calls()}
+    return {"index": c.index, "message": message, "logprobs": logprobs,
+            "finish_reason": _finish_reason(c, comp.finish_reason)}

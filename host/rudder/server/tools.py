@@ -1,0 +1,534 @@
+"""Tool calling, as vLLM does it over the OpenAI API, mapped onto our constraint controllers.
+
+SmolLM2's chat template has no tool syntax, so this server uses one (Hermes' style, which many
+open models know): the tools are listed in the system message as JSON inside `<tools>...</tools>`,
+and a call is
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`tool_choice`:
+- a named function: the output is constrained (the `json` controller) to
+  `{"name": <that name>, "arguments": <its parameters schema>}`;
+- "required": the same over the request's tools: one tool gives one object schema; several give
+  `anyOf` of such objects (a union whose alternatives start alike, which the `json` controller
+  refuses today: a 400 naming the limitation, never unconstrained output);
+- "auto" (the default with tools): the `grammar` controller allows either text (not starting
+  with `<`) or one or more `<tool_call>` blocks whose arguments follow each tool's schema
+  (compiled to the grammar; a non-strict tool whose schema uses keywords the compiler lacks gets
+  any JSON object, a `strict` one is refused);
+- "none": the tools are not shown and the output is text.
+
+In the constrained modes (named, "required") the prompt already ends with `<tool_call>` and the
+output is the bare JSON object. Replies carry `tool_calls` (finish_reason "tool_calls");
+streams carry them as deltas: the call's id, type and name first, then its arguments in pieces.
+Earlier turns render back into the same syntax: an assistant message's `tool_calls` as
+`<tool_call>` blocks, a `tool` message as `<tool_response>...</tool_response>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..structured import Constraint
+from .errors import APIError
+
+__all__ = ["ToolCallParser", "ToolPlan", "render_messages"]
+
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly"}
+
+
+# -- the request's tools ------------------------------------------------------------------------
+
+@dataclass
+class ToolPlan:
+    """What a request's tools and tool_choice ask for: the constraint, how to read the output
+    (`mode`: "json" for one bare call object, "tagged" for text or <tool_call> blocks) and the
+    prompt's tool section."""
+
+    tools: list[dict]
+    choice: str                      # "auto", "required", "none" or "named"
+    named: str | None = None
+    parallel: bool = True
+    constraint: Constraint | None = None
+    mode: str | None = None
+    hint: str = ""                   # added to a controller's refusal (several tools, issue 15)
+
+    @classmethod
+    def of(cls, tools: list | None, tool_choice: Any, parallel: bool | None) -> "ToolPlan | None":
+        if not tools:
+            if tool_choice not in (None, "none", "auto"):
+                raise APIError("invalid_request", "tool_choice needs tools", param="tool_choice")
+            return None
+        functions = [_function(t, i) for i, t in enumerate(tools)]
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            raise APIError("invalid_request", "tools: function names must be unique", param="tools")
+        plan = cls(functions, "auto", parallel=parallel is not False)
+        if tool_choice is None or tool_choice == "auto":
+            plan.constraint, plan.mode = Constraint("grammar", _auto_grammar(functions, plan.parallel), "tools"), "tagged"
+        elif tool_choice == "none":
+            plan.choice = "none"
+        elif tool_choice == "required":
+            plan.choice, plan.mode = "required", "json"
+            plan.constraint = Constraint("json", json.dumps(_call_schema(functions), ensure_ascii=False), "tool_choice")
+            if len(functions) > 1:
+                plan.hint = (f"tool_choice \"required\" over {len(functions)} tools needs a union (anyOf) of object "
+                             "schemas, which this server's json controller cannot generate yet (issue 15); name "
+                             "one tool in tool_choice or send one tool")
+        elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+            name = (tool_choice.get("function") or {}).get("name")
+            chosen = [f for f in functions if f["name"] == name]
+            if not chosen:
+                raise APIError("invalid_request", f"tool_choice names {name!r}, which is not in tools",
+                               param="tool_choice")
+            plan.choice, plan.named, plan.mode = "named", name, "json"
+            plan.constraint = Constraint("json", json.dumps(_call_schema(chosen), ensure_ascii=False), "tool_choice")
+        else:
+            raise APIError("invalid_request", 'tool_choice is "none", "auto", "required" or '
+                           '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        return plan
+
+    def system_text(self) -> str:
+        listed = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in self.tools)
+        return ("You can call functions. They are described here as JSON Schema:\n<tools>\n" + listed +
+                "\n</tools>\nTo call one, answer with\n<tool_call>\n"
+                '{"name": <function name>, "arguments": <the arguments as a JSON object>}\n</tool_call>')
+
+    @property
+    def prompt_suffix(self) -> str:
+        """Text after the assistant header: in the constrained modes the call has begun."""
+        return "<tool_call>\n" if self.mode == "json" else ""
+
+
+def _function(tool: Any, i: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
+            tool.get("function"), dict):
+        raise APIError("invalid_request", f"tools[{i}]: only {{\"type\": \"function\", \"function\": {{...}}}} "
+                       "tools are supported", param="tools")
+    f = tool["function"]
+    name = f.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        raise APIError("invalid_request", f"tools[{i}].function.name must be 1-64 letters, digits, _ . -",
+                       param="tools")
+    params = f.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise APIError("invalid_request", f"tools[{i}].function.parameters must be a JSON Schema object",
+                       param="tools")
+    out = {"name": name, "parameters": params, "strict": bool(f.get("strict"))}
+    if f.get("description"):
+        out["description"] = f["description"]
+    return out
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of `node` whose local $refs ("#...") point under `base` (the schema moved there)."""
+    if isinstance(node, list):
+        return [_rebase_refs(n, base) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        else:
+            out[k] = _rebase_refs(v, base)
+    return out
+
+
+def _call_schema(functions: list[dict]) -> dict:
+    """{"name": const, "arguments": parameters} for one function, anyOf of those for several."""
+    def one(f: dict, base: str) -> dict:
+        return {"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": _rebase_refs(f["parameters"], base)},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    if len(functions) == 1:
+        return one(functions[0], "#/properties/arguments")
+    return {"anyOf": [one(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(functions)]}
+
+
+# -- "auto": a grammar of text or tool calls ------------------------------------------------------
+
+class _Unsupported(Exception):
+    pass
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal of `text`."""
+    out = []
+    for c in text:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif c == "\n":
+            out.append("\\n")
+        elif ord(c) < 0x20:
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
+_TERMINALS = {
+    "STRING": r'/"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/',
+    "NUMBER": r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+    "INTEGER": r"/-?(0|[1-9][0-9]*)/",
+    "COMMA": r"/, ?/",   # JSON as models write it: compact, or one space after , and :
+    "COLON": r"/: ?/",
+}
+
+
+class _SchemaGrammar:
+    """JSON Schema -> Lark rules for the subset tool schemas use (objects with properties in
+    order, required or optional; arrays; enum/const; anyOf/oneOf; local $ref; the basic types)."""
+
+    def __init__(self):
+        self.rules: dict[str, str] = {}
+        self.terminals: set[str] = set()
+        self._n = 0
+
+    def new_rule(self, body: str, stem: str = "r") -> str:
+        self._n += 1
+        name = f"{stem}_{self._n}"
+        self.rules[name] = body
+        return name
+
+    def term(self, name: str) -> str:
+        self.terminals.add(name)
+        return name
+
+    def any_value(self) -> str:
+        if "json_value" not in self.rules:
+            self.rules["json_value"] = "json_object | json_array | STRING | NUMBER | \"true\" | \"false\" | \"null\""
+            self.rules["json_object"] = '"{" (json_pair (COMMA json_pair)*)? "}"'
+            self.rules["json_pair"] = "STRING COLON json_value"
+            self.rules["json_array"] = '"[" (json_value (COMMA json_value)*)? "]"'
+            self.terminals.update(("STRING", "NUMBER", "COMMA", "COLON"))
+        return "json_value"
+
+    def any_object(self) -> str:
+        self.any_value()
+        return "json_object"
+
+    def compile(self, schema: Any, root: dict, path: str, refs: dict) -> str:
+        if schema is True or schema == {}:
+            return self.any_value()
+        if not isinstance(schema, dict):
+            raise _Unsupported(f"a schema that matches nothing at {path}")
+        unknown = set(schema) - _ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "items",
+                                                "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"}
+        if unknown:
+            raise _Unsupported(f"keyword {sorted(unknown)[0]!r} at {path}")
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], root, path, refs)
+        if "const" in schema:
+            return _lit(json.dumps(schema["const"], ensure_ascii=False, separators=(",", ":")))
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise _Unsupported(f"an empty enum at {path}")
+            return "(" + " | ".join(_lit(json.dumps(v, ensure_ascii=False, separators=(",", ":"))) for v in values) + ")"
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                alts = [self.compile(s, root, f"{path}/{key}/{i}", refs) for i, s in enumerate(schema[key])]
+                return "(" + " | ".join(alts) + ")"
+        types = schema.get("type")
+        if types is None:
+            types = ["object"] if "properties" in schema else (["array"] if "items" in schema else None)
+            if types is None:
+                return self.any_value()
+        types = types if isinstance(types, list) else [types]
+        return "(" + " | ".join(self._typed(t, schema, root, path, refs) for t in types) + ")"
+
+    def _typed(self, t: str, schema: dict, root: dict, path: str, refs: dict) -> str:
+        if t == "string":
+            return self.term("STRING")
+        if t == "number":
+            return self.term("NUMBER")
+        if t == "integer":
+            return self.term("INTEGER")
+        if t == "boolean":
+            return '("true" | "false")'
+        if t == "null":
+            return '"null"'
+        if t == "array":
+            items = schema.get("items", True)
+            v = self.compile(items, root, f"{path}/items", refs)
+            return f'("[" ({v} ({self.term("COMMA")} {v})*)? "]")'
+        if t == "object":
+            return self._object(schema, root, path, refs)
+        raise _Unsupported(f"type {t!r} at {path}")
+
+    def _object(self, schema: dict, root: dict, path: str, refs: dict) -> str:
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties", None if props else True)
+        if not props:
+            return self.any_object() if extra not in (False, None) else '("{" "}")'
+        if extra not in (False, None):
+            raise _Unsupported(f"additionalProperties next to properties at {path}")
+        required = set(schema.get("required") or [])
+        missing = required - set(props)
+        if missing:
+            raise _Unsupported(f"required property {sorted(missing)[0]!r} without a schema at {path}")
+        colon, comma = self.term("COLON"), self.term("COMMA")
+        pairs = [(f"{_lit(json.dumps(k, ensure_ascii=False))} {colon} "
+                  f"{self.compile(v, root, f'{path}/properties/{k}', refs)}", k in required)
+                 for k, v in props.items()]
+        # members(i): properties i.. with no comma before the first one present (an expression:
+        # referenced once); tail(i): the same, each with its comma (a rule: referenced twice).
+        tail_expr = members = None
+        for pair, req in reversed(pairs):
+            tail = self.new_rule(tail_expr, "tail") if tail_expr else None  # tail(i+1)
+            after = f" {tail}" if tail else ""
+            if req:
+                members, tail_expr = f"{pair}{after}", f"{comma} {pair}{after}"
+            else:
+                members = f"({pair}{after} | {members})" if members else f"({pair}{after})?"
+                tail_expr = f"({comma} {pair})?{after}"
+        return f'("{{" {members} "}}")'
+
+    def _ref(self, ref: str, root: dict, path: str, refs: dict) -> str:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise _Unsupported(f"a non-local $ref at {path}")
+        if ref in refs:
+            return refs[ref]
+        node: Any = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                raise _Unsupported(f"$ref {ref} points nowhere")
+            node = node[part]
+        name = f"ref_{len(refs) + 1}"
+        refs[ref] = name
+        self.rules[name] = self.compile(node, root, ref, refs)  # named first: recursion refers to it
+        return name
+
+
+def _auto_grammar(functions: list[dict], parallel: bool) -> str:
+    """Lark: text not starting with "<", or <tool_call> blocks (one, or several when parallel)."""
+    g = _SchemaGrammar()
+    bodies = []
+    for f in functions:
+        try:
+            args = g.compile(f["parameters"], f["parameters"], "#", {})
+        except _Unsupported as e:
+            if f["strict"]:
+                raise APIError("invalid_request", f"tool {f['name']!r} is strict, and its parameters use {e}, which "
+                               'tool_choice "auto" cannot enforce here; use tool_choice "required" or name the '
+                               "function", param="tools") from None
+            args = g.any_object()  # not strict: any JSON object
+        bodies.append(f'"{{" "\\"name\\"" COLON {_lit(json.dumps(f["name"]))} COMMA "\\"arguments\\"" COLON {args} "}}"')
+    g.terminals.update(("COMMA", "COLON"))
+    lines = ["start: TEXT | calls",
+             "calls: call" + (" (NL? call)*" if parallel else ""),
+             'call: "<tool_call>" NL? call_body NL? "</tool_call>"',
+             "call_body: " + " | ".join(bodies)]
+    lines += [f"{name}: {body}" for name, body in g.rules.items()]
+    lines.append(r"TEXT: /[^<][\s\S]*/")  # text: anything that does not begin a call
+    lines.append(r"NL: /\n/")
+    lines += [f"{t}: {_TERMINALS[t]}" for t in sorted(g.terminals)]
+    return "\n".join(lines) + "\n"
+
+
+# -- the prompt ----------------------------------------------------------------------------------
+
+def render_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
+    """Messages for the chat template (string contents): the tools in the system message (unless
+    tool_choice is "none"), earlier calls and results in our syntax."""
+    out = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") or {}
+                try:
+                    args = json.loads(fn.get("arguments") or "{}")
+                except ValueError:
+                    args = fn.get("arguments")
+                calls.append("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args},
+                                                          ensure_ascii=False) + "\n</tool_call>")
+            content = (content + "\n" if content else "") + "\n".join(calls)
+        elif role == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": role, "content": content})
+    if plan is not None and plan.choice != "none":
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + plan.system_text()}
+        else:
+            out.insert(0, {"role": "system", "content": plan.system_text()})
+    return out
+
+
+# -- reading calls out of the output ---------------------------------------------------------------
+
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    arguments: str = ""
+    done: bool = False
+
+
+@dataclass
+class ToolCallParser:
+    """Reads released output text as it comes, in `mode` "json" (one bare call object) or
+    "tagged" (text, or <tool_call> blocks). `feed` returns events for a stream: ("content", text),
+    ("call", index, id, name), ("args", index, text)."""
+
+    mode: str
+    buf: str = ""
+    pos: int = 0               # how much of buf has been consumed
+    state: str = "start"
+    calls: list[_Call] = field(default_factory=list)
+    content: str = ""
+    _depth: int = 0
+    _in_string: bool = False
+    _escape: bool = False
+
+    def feed(self, text: str) -> list[tuple]:
+        self.buf += text
+        events: list[tuple] = []
+        while True:
+            before = (self.state, self.pos)
+            getattr(self, f"_on_{self.state}")(events)
+            if (self.state, self.pos) == before:
+                return events
+
+    # states ------------------------------------------------------------------------------------
+
+    def _on_start(self, events):
+        rest = self.buf[self.pos:]
+        if self.mode == "json":
+            self.state = "header"
+        elif rest[:1] == "<":
+            self.state = "open"
+        elif rest:
+            self.state = "text"
+
+    def _on_text(self, events):
+        rest = self.buf[self.pos:]
+        if rest:
+            self.content += rest
+            self.pos = len(self.buf)
+            events.append(("content", rest))
+
+    def _on_open(self, events):
+        rest = self.buf[self.pos:].lstrip()
+        skipped = len(self.buf) - self.pos - len(rest)
+        if len(rest) >= len(_OPEN):
+            if not rest.startswith(_OPEN):  # not a call after all (only an unconstrained output)
+                self.state = "text"
+                return
+            self.pos += skipped + len(_OPEN)
+            self.state = "header"
+
+    def _on_header(self, events):
+        m = _HEADER.match(self.buf, self.pos)
+        if m is None or m.end() == len(self.buf):  # wait for the arguments to begin
+            return
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            name = m.group(1)
+        call = _Call(f"call_{uuid.uuid4().hex[:24]}", name)
+        self.calls.append(call)
+        events.append(("call", len(self.calls) - 1, call.id, name))
+        self.pos = m.end()
+        self.state = "args"
+        self._depth, self._in_string, self._escape = 0, False, False
+
+    def _on_args(self, events):
+        """Arguments up to the end of their JSON value (strings and nesting tracked)."""
+        start, i, end = self.pos, self.pos, None
+        while i < len(self.buf) and end is None:
+            c = self.buf[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        end = i + 1
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                if self._depth == 0:  # the call's own "}": a scalar value ended before it
+                    end = i
+                    break
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+            elif c == '"':
+                self._in_string = True
+            elif c == "," and self._depth == 0:
+                end = i
+                break
+            i += 1
+        stop = end if end is not None else i
+        piece = self.buf[start:stop]
+        if piece:
+            call = self.calls[-1]
+            call.arguments += piece
+            events.append(("args", len(self.calls) - 1, piece))
+        self.pos = stop
+        if end is not None:
+            self.calls[-1].done = True
+            self.state = "close"
+
+    def _on_close(self, events):
+        rest = self.buf[self.pos:]
+        stripped = rest.lstrip()
+        if not stripped:
+            return
+        if stripped[0] != "}":
+            return
+        consumed = len(rest) - len(stripped) + 1
+        if self.mode == "json":
+            self.pos += consumed
+            self.state = "end"
+            return
+        after = stripped[1:].lstrip()
+        if len(after) >= len(_CLOSE):
+            if after.startswith(_CLOSE):
+                self.pos += len(rest) - len(after) + len(_CLOSE)
+                self.state = "between"
+
+    def _on_between(self, events):
+        rest = self.buf[self.pos:].lstrip()
+        if rest.startswith("<"):
+            self.pos = len(self.buf) - len(rest)
+            self.state = "open"
+
+    def _on_end(self, events):
+        self.pos = len(self.buf)
+
+    # results -----------------------------------------------------------------------------------
+
+    def finish(self) -> list[tuple]:
+        """At the end: text still waiting to be told apart from a call is content."""
+        events = []
+        if self.state in ("start", "open") and self.pos < len(self.buf) and not self.calls:
+            rest = self.buf[self.pos:]
+            self.content += rest
+            events.append(("content", rest))
+            self.pos = len(self.buf)
+        return events
+
+    def tool_calls(self) -> list[dict]:
+        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.calls]

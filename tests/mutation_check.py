@@ -1,0 +1,124 @@
+"""Does the suite bite? Apply deliberate one-line breakages of the product, one at a time, run
+the tests that should catch each, and report which did. Not a test (pytest does not collect it):
+
+    .venv/bin/python tests/mutation_check.py [--only NAME ...] [--json benchmarks/results/mutations.json]
+
+Each mutation replaces one exact line of the product (the script refuses to run one whose line
+is gone: the product changed and the mutation must be updated), runs its tests with `-x`,
+restores the file, and counts the mutation caught when the tests fail or hang past the timeout.
+A surviving mutation is a hole in the suite. Run it on a quiet tree: it edits product files
+while it runs (and always puts them back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+
+
+MUTATIONS = [
+    Mutation("the Branch ff-list choice", "host/rudder/engine/branching.py",
+             "            if ff[0] == token:", "            if ff[-1] == token:",
+             ["tests/test_branches.py", "tests/test_controllers.py"]),
+    Mutation("the mask bit order", "host/rudder/native/mask.c",
+             "            x[j] = ((bits >> j) & 1u) ? x[j] : neg_inf;",
+             "            x[j] = ((bits >> (31 - j)) & 1u) ? x[j] : neg_inf;",
+             ["tests/test_sampler.py", "tests/test_engine.py"]),
+    Mutation("the backtrack count", "host/rudder/engine/branching.py",
+             "        self.bm.pop(seq.seq_id, n)\n        seq.num_cached -= n",
+             "        self.bm.pop(seq.seq_id, max(n - 1, 0))\n        seq.num_cached -= n",
+             ["tests/test_branches.py"]),
+    Mutation("the fork copy", "host/rudder/controller/snapshot.py",
+             "    ctypes.memmove(dst.base, src.base, head)", "    ctypes.memmove(dst.base, src.base, 0)",
+             ["tests/test_sandbox.py", "tests/test_controllers.py"]),
+    Mutation("the epoch re-arm", "host/rudder/controller/instance.py",
+             "        _set_deadline(ctx, ticks)", "        _set_deadline(ctx, 1 << 62)",
+             ["tests/test_hostile.py", "tests/test_deadlines.py"]),
+    Mutation("the memory limit", "host/rudder/controller/instance.py",
+             "        lib.wasmtime_store_limiter(ptr, int(memory_limit), TABLE_ELEMENTS, 1, -1, 1)",
+             "        lib.wasmtime_store_limiter(ptr, -1, TABLE_ELEMENTS, 1, -1, 1)",
+             ["tests/test_hostile.py", "tests/test_wasm_engine.py"]),
+    Mutation("the JSON string escape", "guest-sdk/rudder_json.c",
+             "        if (c == '\"' || c == '\\\\') {", "        if (c == '\"') {",
+             ["tests/test_json_schema.py", "tests/test_guest_sdk.py"]),
+    Mutation("the regex class negation", "guest-sdk/rudder_regex.c",
+             "        negate = true;", "        negate = false;",
+             ["tests/test_regex.py"]),
+    Mutation("the stop string check", "host/rudder/engine/output.py",
+             "            if hits:", "            if False and hits:",
+             ["tests/test_engine.py", "tests/test_server.py"]),
+    Mutation("the 429 path", "host/rudder/server/admission.py",
+             "        if self._free.locked() and self.waiting >= self.max_queue:",
+             "        if False and self._free.locked() and self.waiting >= self.max_queue:",
+             ["tests/test_server.py", "tests/test_server_flags.py"]),
+    Mutation("the result decoder's bounds check", "host/rudder/controller/result.py",
+             "        if mask_ptr + self.mask_bytes > size:", "        if mask_ptr > size:",
+             ["tests/test_hostile.py"]),
+    Mutation("the progress budget", "host/rudder/engine/budget.py",
+             "        if seq.steps > allowed:", "        if seq.steps > 100 * allowed:",
+             ["tests/test_tenants.py"]),
+]
+
+
+def run(m: Mutation, timeout: float) -> dict:
+    path = ROOT / m.path
+    original = path.read_text()
+    if original.count(m.old) != 1:
+        return {"name": m.name, "status": "stale", "detail": f"{m.path}: the line to mutate is not there once"}
+    env = dict(os.environ)
+    env.setdefault("RUDDER_HOME", str(ROOT / ".cache" / "rudder"))
+    t0 = time.monotonic()
+    try:
+        path.write_text(original.replace(m.old, m.new))
+        try:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+            failed = re.findall(r"^FAILED (\S+)", done.stdout, re.M) + re.findall(r"^ERROR (\S+)", done.stdout, re.M)
+            caught = done.returncode != 0
+            detail = ", ".join(failed) or (done.stdout.strip().splitlines() or ["no output"])[-1]
+        except subprocess.TimeoutExpired:
+            caught, detail = True, f"the tests hung past {timeout:g} s"
+    finally:
+        path.write_text(original)
+    return {"name": m.name, "status": "caught" if caught else "SURVIVED", "detail": detail,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="names (substrings) of the mutations to run")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or any(o in m.name for o in args.only)]
+    results = []
+    for m in chosen:
+        r = run(m, args.timeout)
+        results.append(r)
+        print(f"{r['status']:>9}  {m.name:<36} {r.get('seconds', '')!s:>7}  {r['detail'][:150]}", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0 if all(r["status"] == "caught" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Python controllers as components (wit/controller.wit): built with the project's own tool
+chain, run by the same runtime as core modules, end to end on the tiny model and SmolLM2."""
+
+from __future__ import annotations
+
+import string
+
+import numpy as np
+import pytest
+
+from component_util import example
+from rudder import LLM, SamplingParams
+from rudder.controller import ControllerError, ControllerRuntime, Limits
+from rudder.controller.build import BuildError
+from rudder.controller.component_build import build_component
+from rudder.tokenizer import Tokenizer
+
+
+def allowed(mask, vocab: int) -> list[int]:
+    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab]).tolist()
+
+
+@pytest.fixture(scope="module")
+def rt():
+    runtime = ControllerRuntime(Tokenizer.byte_level(512), limits=Limits(init_ms=3000))
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM("tiny", kv_cache_tokens=4096, block_size=8)
+
+
+# ----------------------------------------------------------------------------- build
+
+def test_a_syntax_error_is_one_line_naming_file_and_line(tmp_path):
+    src = tmp_path / "broken.py"
+    src.write_text("from rudder_sdk import Controller\n\nclass C(Controller):\n    def mid_process(self, step)\n        pass\n")
+    with pytest.raises(BuildError) as e:
+        build_component(src, tmp_path / "broken.wasm")
+    assert e.value.summary.startswith(f"{src}:4: SyntaxError"), e.value.summary
+    assert "\n" not in e.value.summary
+
+
+def test_a_javascript_syntax_error_is_one_line_naming_file_and_line(tmp_path):
+    src = tmp_path / "broken.js"
+    src.write_text('import { Controller } from "rudder";\n\nexport default class C extends Controller {\n  midProcess(step) {\n    return (;\n  }\n}\n')
+    with pytest.raises(BuildError) as e:
+        build_component(src, tmp_path / "broken.wasm")
+    assert e.value.summary.startswith(f"{src}:5: SyntaxError"), e.value.summary
+    assert "\n" not in e.value.summary
+
+
+def test_a_module_without_a_controller_class_is_refused_at_build(tmp_path):
+    src = tmp_path / "empty_ctl.py"
+    src.write_text("x = 1\n")
+    with pytest.raises(BuildError) as e:
+        build_component(src, tmp_path / "empty.wasm")
+    assert "exactly one subclass of rudder_sdk.Controller" in e.value.summary, e.value.summary
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+DIGITS = ["digits", "js/digits"]  # the Python and the JavaScript example
+
+
+@pytest.mark.parametrize("name", DIGITS)
+def test_digits_masks_are_exactly_the_digit_tokens(rt, name):
+    tok = rt.tokenizer
+    module = rt.load(example(name))
+    assert module.wasm_size > 1 << 20
+    ctl = rt.start(module, "")
+    digit_ids = sorted(i for i, b in enumerate(tok.token_bytes) if b and all(48 <= c <= 57 for c in b))
+    [b] = ctl.mid_process(0, 0, tok.encode("How many?"))
+    assert allowed(b.mask, tok.vocab_size) == digit_ids and b.ff == [] and b.backtrack == 0
+    [b] = ctl.mid_process(0, 0, tok.encode("4"))
+    assert allowed(b.mask, tok.vocab_size) == sorted(digit_ids + [tok.eos_token_id])
+    for _ in range(5):
+        answer = ctl.mid_process(0, 0, tok.encode("2"))
+    assert answer == []  # six digits: no branch, the sequence stops
+    ctl.close()
+    assert ctl.request.live == 0
+
+
+@pytest.mark.parametrize("name", DIGITS)
+def test_state_survives_a_backtrack_and_each_request_starts_from_init(rt, name):
+    tok = rt.tokenizer
+    module = rt.load(example(name))
+    a = rt.start(module, "")
+    a.mid_process(0, 0, tok.encode("q"))
+    for _ in range(3):
+        a.mid_process(0, 0, tok.encode("7"))
+    [b] = a.mid_process(0, 2, [])  # two taken back: one digit left
+    assert tok.eos_token_id in allowed(b.mask, tok.vocab_size)
+    b2 = rt.start(module, "")  # a new request sees nothing of the first
+    [first] = b2.mid_process(0, 0, tok.encode("q"))
+    assert tok.eos_token_id not in allowed(first.mask, tok.vocab_size)
+    a.close()
+    b2.close()
+
+
+def test_fork_gives_each_branch_its_own_state(rt):
+    module = rt.load(example("fork"))
+    ctl = rt.start(module, "3")
+    answer = ctl.mid_process(0, 0, [5, 6])
+    assert len(answer) == 3 and all(b.mask is None and b.ff == [] for b in answer)
+    kids = [ctl] + [ctl.fork() for _ in range(2)]
+    assert ctl.request.live == 3
+    for i, k in enumerate(kids):
+        [b] = k.mid_process(i, 0, [7])
+        assert b.mask is None
+    log = ctl.log_text()
+    for i in range(3):
+        assert f"fork: this is fork {i} of 3" in log
+    for k in kids:
+        k.close()
+    assert ctl.request.live == 0
+
+
+def test_start_refusal_is_kind_start_with_the_reason(rt):
+    with pytest.raises(ControllerError) as e:
+        rt.start(rt.load(example("fork")), "many")
+    assert e.value.kind == "start"
+    assert 'the argument must be a number, not "many"' in str(e.value)
+
+
+def test_a_compiled_component_loads_from_the_disk_cache(tmp_path):
+    wasm = example("digits")
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path) as a:
+        a.load(wasm)
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path) as b:
+        b.load(wasm)
+        assert b._components.cache.stats["disk_hits"] == 1 and b._components.cache.stats["compiled"] == 0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def _digits_run(llm, seed=None, name="digits"):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
+    [out] = llm.generate(["How many legs has a spider?"], params, chat=True, controller=example(name))
+    return out
+
+
+@pytest.mark.parametrize("name", DIGITS)
+def test_digits_end_to_end_on_the_tiny_model(tiny, name):
+    out = _digits_run(tiny, seed=1, name=name)
+    assert out.finish_reason in ("stop", "length"), out.error
+    assert out.text and set(out.text) <= set(string.digits), out.text
+    assert 1 <= len(out.token_ids) <= 6
+
+
+def test_a_seeded_run_repeats(tiny):
+    a, b = _digits_run(tiny, seed=5), _digits_run(tiny, seed=5)
+    assert a.token_ids == b.token_ids and a.text == b.text
+
+
+def test_fork_end_to_end_on_the_tiny_model(tiny):
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    [out] = tiny.generate(["Name a boat."], params, controller=example("fork"), controller_arg="3")
+    assert len(out.branches) == 3
+    assert all(len(b.token_ids) == 6 and b.finish_reason == "length" for b in out.branches), out.branches
+
+
+@pytest.mark.model
+def test_digits_and_fork_end_to_end_on_smollm2():
+    llm = LLM("smollm2")
+    for name in DIGITS:
+        out = _digits_run(llm, seed=2, name=name)
+        assert out.error is None and out.text and set(out.text) <= set(string.digits), (name, out.text)
+        again = _digits_run(llm, seed=2, name=name)
+        assert again.token_ids == out.token_ids
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=7)
+    [forked] = llm.generate(["Give me a name for a boat."], params, chat=True, controller=example("fork"),
+                            controller_arg="3")
+    assert len(forked.branches) == 3 and all(b.token_ids for b in forked.branches)
+
+
+# ----------------------------------------------------------------------------- hand-off to a built-in
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _json_run(llm, seed):
+    import json
+
+    params = SamplingParams(max_tokens=60, temperature=0.8, seed=seed)
+    [out] = llm.generate(["Invent a person as JSON."], params, chat=True, controller=example("json_then_stop"),
+                         controller_arg=json.dumps(PERSON))
+    return out
+
+
+def test_json_hand_off_gives_a_valid_document_on_the_tiny_model(tiny):
+    import json
+
+    import jsonschema
+
+    out = _json_run(tiny, seed=4)
+    assert out.finish_reason == "stop", (out.finish_reason, out.error, out.text)
+    jsonschema.validate(json.loads(out.text), PERSON)
+    again = _json_run(tiny, seed=4)
+    assert again.token_ids == out.token_ids
+
+
+def test_a_hand_off_names_a_built_in_controller(rt):
+    with pytest.raises(ControllerError) as e:
+        rt._hand_off("no-such-controller", "", rt.limits)
+    assert e.value.kind == "invalid_result" and "no built-in controller 'no-such-controller'" in str(e.value)
+    with pytest.raises(ControllerError) as e:
+        rt._hand_off("json", "{not json", rt.limits)  # the built-in's own refusal
+    assert e.value.kind == "start"
+
+
+@pytest.mark.model
+def test_json_hand_off_on_smollm2():
+    import json
+
+    import jsonschema
+
+    llm = LLM("smollm2")
+    for seed in (1, 2):
+        out = _json_run(llm, seed)
+        assert out.finish_reason == "stop", (out.error, out.text)
+        jsonschema.validate(json.loads(out.text), PERSON)
