@@ -132,3 +132,73 @@ def test_the_one_call_decoder_is_the_composed_layers_bit_for_bit(dtype, monkeypa
     stacked, composed = logits(True), logits(False)
     assert model.native_stack is not None and len(stacked) == len(composed) == 6
     assert all(torch.equal(a, b) for a, b in zip(stacked, composed))
+
+
+# -- the option everywhere: LLM(dtype=), the CLI's --dtype, the server, pipeline stages ------------
+
+
+def _weights_of(model) -> set[type]:
+    return {type(m) for m in model.modules() if isinstance(m, nn.Linear | Linear)}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_llm_holds_the_dtype_it_was_given(dtype):
+    from rudder import LLM
+
+    llm = LLM("tiny", dtype=dtype)
+    act = torch.float32 if dtype == "fp32" else torch.bfloat16
+    assert llm.dtype == dtype and llm.model.precision == dtype
+    assert llm.engine.runner.kv_cache.dtype == act and llm.model.embed_tokens.weight.dtype == act
+    if dtype == "fp32" or kernels.available():
+        assert _weights_of(llm.model) == {{"fp32": PackedLinear, "bf16": Bf16Linear, "int8": Int8Linear}[dtype]}
+
+
+def test_llm_refuses_an_unknown_dtype_before_loading(monkeypatch):
+    import rudder.llm
+    from rudder import LLM
+
+    monkeypatch.setattr(rudder.llm, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match="unknown dtype 'fp16': expected one of auto, fp32, bf16, int8"):
+        LLM("tiny", dtype="fp16")
+
+
+@pytest.mark.parametrize("command", [["generate"], ["run", "--controller", "fork", "--arg", "1"]],
+                         ids=["generate", "run"])
+def test_cli_dtype_reaches_the_model_and_a_bad_one_is_one_line(command, monkeypatch):
+    from typer.testing import CliRunner
+
+    import rudder.llm
+    from rudder.cli import app
+
+    made = []
+
+    class Recording(rudder.llm.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(rudder.llm, "LLM", Recording)
+    runner = CliRunner()
+    for dtype in ("int8", "fp32"):
+        out = runner.invoke(app, [*command, "-m", "tiny", "-n", "3", "--dtype", dtype, "x"])
+        assert out.exit_code == 0, out.output
+        assert made[-1].dtype == dtype and made[-1].model.precision == dtype
+    out = runner.invoke(app, [*command, "-m", "tiny", "--dtype", "fp16", "x"])
+    assert out.exit_code == 1 and "--dtype 'fp16': expected auto, fp32, bf16 or int8" in out.output, out.output
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
+    assert len(made) == 2  # the bad one never built a model
+
+
+def test_pipeline_stages_all_hold_the_dtype():
+    """Stage processes build their layers in the precision the coordinator resolved, and say so
+    when they are ready; greedy tokens are those of one process in that precision."""
+    from rudder import LLM
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time"]
+    single = LLM("tiny:4", dtype="int8", kv_cache_tokens=512)
+    expected = [c.token_ids for c in single.generate(prompts, params)]
+    with LLM("tiny:4", dtype="int8", pipeline_stages=2, kv_cache_tokens=512) as piped:
+        assert piped.dtype == "int8" and piped.engine.runner.stage_precisions == ["int8", "int8"]
+        assert piped.engine.runner.kv_cache.dtype == torch.bfloat16
+        assert [c.token_ids for c in piped.generate(prompts, params)] == expected

@@ -23,7 +23,7 @@ import torch
 
 from . import kernels
 
-__all__ = ["PRECISIONS", "resolve", "activation_dtype", "cpu_has_bf16", "cpu_flags"]
+__all__ = ["PRECISIONS", "check_name", "resolve", "activation_dtype", "cpu_has_bf16", "cpu_flags"]
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 
@@ -43,12 +43,19 @@ def cpu_has_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def resolve(dtype: str | None, device: torch.device | str = "cpu") -> str:
-    """The concrete precision ("fp32", "bf16" or "int8") for a requested one on `device`."""
+def check_name(dtype: str | None) -> str:
+    """The precision's canonical name ("auto", "fp32", "bf16", "int8"; None is "auto"; "float32",
+    "bfloat16" and "qint8" are accepted too); a ValueError naming the choices otherwise."""
     name = "auto" if dtype is None else str(dtype).lower()
     name = {"float32": "fp32", "bfloat16": "bf16", "qint8": "int8"}.get(name, name)
     if name not in PRECISIONS:
         raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(PRECISIONS)}")
+    return name
+
+
+def resolve(dtype: str | None, device: torch.device | str = "cpu") -> str:
+    """The concrete precision ("fp32", "bf16" or "int8") for a requested one on `device`."""
+    name = check_name(dtype)
     if name != "auto":
         return name
     dev = torch.device(device)
