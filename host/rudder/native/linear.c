@@ -4,7 +4,8 @@
  * Why not oneDNN for these: its bf16 kernels change with the number of rows (AMX tiles for many,
  * vector code for few), so a row's result would depend on what else the step computes; its bf16
  * products come out in bf16, and the LM head's logits need fp32; and torch has no fast CPU kernel
- * for int8 weights with per-channel scales at a few rows (FACTS.md).
+ * for int8 weights with per-channel scales at a few rows (issue 18: _weight_int8pack_mm ran ~10x
+ * slower than fp32 here).
  *
  * Layout: the weight is packed once (packed_linear.py) into blocks of 16 output columns, each
  * block one contiguous run over K: bf16 [n/16][k/2][16][2] (a pair of k per column), int8
