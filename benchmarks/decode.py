@@ -1,8 +1,8 @@
 """Decode and prefill speed on SmolLM2: rudder in each weight precision against transformers and
 llama.cpp, in one run, and how much each precision changes the logits.
 
-    .venv/bin/python benchmarks/decode.py [--dtypes fp32,bf16,int8] [--batches 1 4 16] [--peer llama.cpp]
-                                          [--no-transformers] [--threads N] [--rounds 3]
+    .venv/bin/python benchmarks/decode.py [--dtypes fp32,bf16,int8] [--batches 1 4 16] [--peer llama.cpp|none]
+                                          [--no-transformers] [--threads N] [--rounds 5]
                                           [--json benchmarks/results/decode.json]
 
 Prefill: B prompts of --prompt-tokens tokens in one forward pass. Decode: B sequences, greedy, one
@@ -13,8 +13,14 @@ same prompts, so every side times model work plus picking the token. The contest
 for --rounds rounds (rotating who goes first) and each reports its median round: this machine is
 shared and noisy, so compare the ratios within one run.
 
-llama.cpp is never built here: install it with the `bench` extra (a source build, ~11 min on 2
-cores); without it the table says "not installed". Its AMX matmul path crashed on our AMX host
+Goals (issue 18), from the same rounds: rudder's batch-1 decode against llama.cpp's, and its
+batch-16 throughput against llama.cpp's batch 1, as the median of the per-round ratios with
+their range (round r of one against round r of the other: the rounds of a batch size run back
+to back, those of two batch sizes minutes apart); bf16's greedy agreement with fp32.
+
+llama.cpp is compared by default (`--peer none` leaves it out) but never built here: install it
+with the `bench` extra (a source build, ~11 min on 2 cores); without it the table says "not
+installed". Its AMX matmul path crashed on our AMX host
 (a segfault in ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36), so it runs with llama.cpp's
 extra buffer types off (`use_extra_bufts = false`), i.e. its AVX-512 path.
 
@@ -195,15 +201,42 @@ def peer_agreement(peer, reference, tokenizer, continuations) -> dict:
     return {"max_logit_diff": max_diff, "agreement": agree / total, "tokens": total}
 
 
+def _ratios(a: list[dict], b: list[dict]) -> list[float]:
+    return [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(a, b)]
+
+
+def goals_of(rows: list[dict], rudders: list[str], llama, agreement: dict) -> list[dict]:
+    """Issue 18's goals from this run's rounds (module docstring)."""
+    goals = []
+
+    def add(what, values, goal, unit="x"):
+        goals.append({"what": what, "value": statistics.median(values), "low": min(values), "high": max(values),
+                      "goal": goal, "unit": unit, "met": statistics.median(values) >= goal, "rounds": values})
+
+    by_batch = {row["batch"]: row["rounds"] for row in rows}
+    if llama is not None and 1 in by_batch:
+        base = by_batch[1][llama.name]
+        for name in rudders:
+            add(f"{name} B=1 decode / llama.cpp B=1", _ratios(by_batch[1][name], base), 0.8)
+        if 16 in by_batch:
+            for name in rudders:
+                add(f"{name} B=16 throughput / llama.cpp B=1", _ratios(by_batch[16][name], base), 2.0)
+    if "rudder bf16" in agreement:
+        a = 100 * agreement["rudder bf16"]["agreement"]
+        add("rudder bf16 greedy agreement with fp32", [a], 95, "%")
+    return goals
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="fp32,bf16,int8", help="rudder's weight precisions, comma-separated")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--peer", action="append", default=[], choices=["llama.cpp"], help="also time this peer")
+    ap.add_argument("--peer", default="llama.cpp", choices=["llama.cpp", "none"],
+                    help="the peer timed next to rudder (default llama.cpp, when installed)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-agreement", action="store_true")
     ap.add_argument("--agreement-tokens", type=int, default=32)
@@ -223,7 +256,7 @@ def main() -> None:
         except ImportError:
             notes.append("transformers: not installed (pip install -e '.[ref]')")
     llama = None
-    if "llama.cpp" in args.peer:
+    if args.peer == "llama.cpp":
         try:
             llama = LlamaCpp(args.threads, max(args.batches),
                              max(args.batches) * (args.prompt_tokens + args.decode_tokens + 8) + 1024)
@@ -242,7 +275,7 @@ def main() -> None:
             for c in order:
                 runs[c.name].append(c.run(ids, args.decode_tokens))
         rows.append({"batch": batch, **{name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-                                         for name, rs in runs.items()}})
+                                         for name, rs in runs.items()}, "rounds": runs})
         print(f"batch {batch} done", file=sys.stderr, flush=True)
 
     agreement = {}
@@ -271,17 +304,24 @@ def main() -> None:
             if base:
                 line += f" | {r['decode_tok_s'] / base:>16.2f}x"
             print(line)
+    goals = goals_of(rows, [c.name for c in contestants if isinstance(c, Rudder)], llama, agreement)
     if agreement:
         print(f"\nagreement with rudder fp32 ({len(PROMPTS)} prompts x {args.agreement_tokens} greedy tokens, "
               f"teacher-forced)")
         print(f"{'engine':<17} | {'max |logit diff|':>16} | {'top-1 agreement':>15}")
         for name, a in agreement.items():
             print(f"{name:<17} | {a['max_logit_diff']:>16.4f} | {100 * a['agreement']:>14.1f}%")
+    if goals:
+        print("\ngoals (median of the per-round ratios [min, max] over the rounds)")
+        for g in goals:
+            spread = f" [{g['low']:.2f}, {g['high']:.2f}]" if len(g["rounds"]) > 1 else ""
+            print(f"  {g['what']:<48} {g['value']:>7.2f}{g['unit']}{spread} "
+                  f"goal >= {g['goal']}{g['unit']}: {'met' if g['met'] else 'NOT met'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"date": when, "machine": platform.platform(), "threads": args.threads,
                                          "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                         "agreement": agreement, "notes": notes}, indent=2))
+                                         "agreement": agreement, "goals": goals, "notes": notes}, indent=2))
 
 
 if __name__ == "__main__":
