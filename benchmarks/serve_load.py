@@ -79,14 +79,15 @@ def start_server(model: str, port: int, clients: int, max_tokens: int, state_dir
     cmd = [sys.executable, "-m", "rudder.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--max-concurrent", str(clients), "--max-queue", str(clients), "--max-tokens", str(max(max_tokens, 64)),
            "--state-dir", state_dir]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(Path(state_dir) / "server.log", "w+")  # a file: an unread pipe would block the server when full
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("the server exited:\n" + proc.stderr.read()[-3000:])
+            raise RuntimeError("the server exited:\n" + (Path(proc.args[proc.args.index("--state-dir") + 1]) / "server.log").read_text()[-3000:])
         try:
             if httpx.get(url + "/healthz", timeout=2).status_code == 200:
                 return

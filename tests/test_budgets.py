@@ -5,9 +5,12 @@ linear memory of all live instances is bounded (a start or fork that does not fi
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from controller_wat import controller_wat, peek, wasm_of
+from hostile_wat import HOSTILE
 from rudder.controller import ControllerError, ControllerRuntime, Limits
 from rudder.tokenizer import Tokenizer
 
@@ -92,3 +95,38 @@ def test_a_refusal_names_its_reason():
 
 def test_limits_are_only_lowered():
     assert Limits().capped({"max_tokenize_bytes": 5}).max_tokenize_bytes == 5
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_failed_request_gives_its_guest_memory_back_at_once(name):
+    """Whatever a controller did, its instance is freed when its request ends, without waiting
+    for the garbage collector: a kept traceback (a controller's exception, or one it was raised
+    from) makes a cycle that would hold the instance's memory (the soak saw it pile up)."""
+    from rudder import SamplingParams
+
+    cases = HOSTILE
+
+    llm = _tiny_llm()
+    gc.collect()
+    gc.disable()
+    try:
+        out = llm.generate(["hi"], SamplingParams(max_tokens=8, temperature=0), controller=wasm_of(cases[name][0]))
+        kind = "ok" if out[0].finish_reason != "error" else out[0].error.split(":")[0].split()[-1]
+        assert kind in cases[name][1] or out[0].finish_reason != "error", (name, out[0].error)
+        assert llm.runtime.guest_memory.used == 0, (name, llm.runtime.guest_memory.used)
+    except ControllerError as e:  # refused at start (init loops, start refuses): nothing may be left either
+        assert e.kind in cases[name][1], (name, e)
+        assert llm.runtime.guest_memory.used == 0, (name, llm.runtime.guest_memory.used)
+    finally:
+        gc.enable()
+
+
+_LLM = []
+
+
+def _tiny_llm():
+    from rudder import LLM
+
+    if not _LLM:
+        _LLM.append(LLM("tiny"))
+    return _LLM[0]

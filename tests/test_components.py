@@ -224,3 +224,28 @@ def test_json_hand_off_on_smollm2():
         out = _json_run(llm, seed)
         assert out.finish_reason == "stop", (out.error, out.text)
         jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_the_requests_seed_reaches_a_components_random_numbers(tiny, tmp_path):
+    """A Python controller that writes a random number: the request's seed (through
+    LLM.generate) decides it, so the same seed repeats it and other seeds change it."""
+    src = tmp_path / "lucky.py"
+    src.write_text(
+        "import random\n"
+        "from rudder_sdk import Branch, Controller, tokenize\n\n\n"
+        "class Lucky(Controller):\n"
+        "    def mid_process(self, step):\n"
+        "        if step.generated:\n"
+        "            return None\n"
+        "        return Branch.fast_forward(tokenize(str(random.randrange(10 ** 9))))\n")
+    wasm = build_component(src, tmp_path / "lucky.wasm").read_bytes()
+
+    def number(seed):
+        params = SamplingParams(max_tokens=16, temperature=0.0, seed=seed)
+        [out] = tiny.generate(["Pick a number."], params, controller=wasm)
+        assert out.text.isdigit(), (out.text, out.error)
+        return out.text
+
+    first = number(1)
+    assert number(1) == first
+    assert len({first, number(2), number(3)}) == 3

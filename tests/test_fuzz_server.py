@@ -35,14 +35,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = _free_port()
+    # The log goes to a file: a pipe nobody reads fills up and blocks the server.
+    log = open(tmp_path_factory.mktemp("fuzz") / "server.log", "w+")
     proc = subprocess.Popen([str(RUDDER), "serve", "--model", "tiny", "--port", str(port)], env=dict(os.environ),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     deadline = time.monotonic() + 180
     while True:
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, open(log.name).read()[-3000:]
         try:
             if client.get("/healthz").status_code == 200:
                 break
@@ -54,6 +56,7 @@ def server():
     client.close()
     proc.terminate()
     proc.wait(timeout=30)
+    log.close()
 
 
 NEIGHBOUR = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "stream": False}

@@ -163,8 +163,9 @@ def test_server_process_survives_every_upload(tmp_path):
 
     port = _free_port()
     env = dict(os.environ, RUDDER_HOME=os.environ.get("RUDDER_HOME", str(tmp_path)))
+    log = open(tmp_path / "server.log", "w+")  # a file: a pipe nobody reads would block the server when full
     server = subprocess.Popen([str(RUDDER), "serve", "--model", "tiny", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
@@ -174,11 +175,11 @@ def test_server_process_survives_every_upload(tmp_path):
                         break
                 except httpx.TransportError:
                     pass
-                assert server.poll() is None, server.stderr.read()
+                assert server.poll() is None, open(log.name).read()
                 time.sleep(0.1)
             for name, (wat, allowed) in SHAPES.items():
                 r = c.post("/v1/controllers", content=bytes(wasm_of(wat)), headers={"content-type": "application/wasm"})
-                assert server.poll() is None, f"the server died on {name}: {server.stderr.read()[-800:]}"
+                assert server.poll() is None, f"the server died on {name}: {open(log.name).read()[-800:]}"
                 if r.status_code == 400:
                     kind = r.json()["error"]["kind"]
                 else:

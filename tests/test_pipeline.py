@@ -258,7 +258,7 @@ def test_smollm2_two_stages_match_with_a_controller():
     assert tokens(ca) == tokens(cb)
 
 
-def test_the_server_runs_under_torchrun():
+def test_the_server_runs_under_torchrun(tmp_path):
     """`rudder serve --pipeline-stages 2` under torchrun: rank 0 serves HTTP, rank 1 its stage."""
     import socket
     import subprocess
@@ -271,14 +271,15 @@ def test_the_server_runs_under_torchrun():
         port = s.getsockname()[1]
     want = CliRunner().invoke(app, ["generate", "-m", MODEL, "-t", "0", "-n", "8", "hello"]).stdout.rstrip("\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = open(tmp_path / "server.log", "w+")  # a file: a pipe nobody reads would block the server when full
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                               "-m", "rudder.cli", "serve", "-m", MODEL, "--port", str(port), "--pipeline-stages", "2"],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
-            assert agent.poll() is None, agent.stderr.read()[-2000:]
+            assert agent.poll() is None, open(log.name).read()[-2000:]
             assert time.monotonic() < deadline, "the server did not come up"
             try:
                 if httpx.get(url + "/healthz").json()["status"] == "ok":

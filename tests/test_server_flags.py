@@ -199,7 +199,7 @@ def test_serve_maps_its_flags_onto_the_server_config(monkeypatch):
     cfg = seen["config"]
     assert (cfg.restricted, cfg.max_concurrent, cfg.max_queue, cfg.max_tokens, cfg.default_max_tokens) == \
         (False, 16, 64, 1024, 256)
-    assert cfg.max_upload_bytes == 8 << 20 and cfg.controller_limits == {} and cfg.engine_options["dtype"] == "auto"
+    assert cfg.max_upload_bytes == 32 << 20 and cfg.controller_limits == {} and cfg.engine_options["dtype"] == "auto"
     assert seen["uvicorn"]["host"] == "127.0.0.1" and seen["uvicorn"]["port"] == 8000
 
 

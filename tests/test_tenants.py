@@ -182,3 +182,21 @@ def test_controller_cpu_per_token_is_budgeted(llm, alone):
     assert other[0].finish_reason == "error" and "ms of CPU time" in other[0].error
     plain, other, _ = _run_beside(llm, params, Policy(burn))  # the default (50 ms a token) lets it run
     assert other[0].finish_reason == "length"
+
+
+def test_late_forks_that_fail_together_fail_only_their_request(llm, alone):
+    """Two forks whose controllers are late (slower than a step) both answer wrongly: the first
+    answer applied fails the request and releases the other fork; the engine must go on with
+    the neighbour, not trip over the released fork's answer."""
+    def late_then_invalid(n, b, bt, t):
+        if n == 1:
+            return [Branch(), Branch()]  # fork in two
+        time.sleep(0.03)  # slower than a tiny-model step: both forks' answers come late
+        return [Branch(backtrack=10 ** 6)]  # more than there is: an invalid Branch
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, other, _ = _run_beside(llm, params, Policy(late_then_invalid))
+    assert plain.token_ids == alone
+    assert other and all(c.finish_reason == "error" for c in other), [(c.finish_reason, c.error) for c in other]
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks

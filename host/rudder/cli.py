@@ -250,7 +250,7 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
         params, name, name_arg = llm.steer(params, controller, _read_arg(arg) if controller else "")
         ctl = None
         if name is not None:
-            ctl = llm.start_controller(name, name_arg, _read_limits(list(limits)))
+            ctl = llm.start_controller(name, name_arg, _read_limits(list(limits)), params.seed)
             log_text = ctl.log_text
         finals = _stream(llm, prompt, params, chat, ctl, trace=trace)
     except KeyboardInterrupt:
@@ -319,7 +319,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           max_concurrent: int = typer.Option(16, "--max-concurrent", min=1, help="Requests in the engine at once."),
           max_queue: int = typer.Option(64, "--max-queue", min=0, help="Requests waiting for a place; past that: 429."),
           max_tokens: int = typer.Option(1024, "--max-tokens", min=1, help="The most tokens a request may ask for."),
-          max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", min=0.001, help="Largest .wasm upload, in MiB."),
+          max_upload_mb: float = typer.Option(32.0, "--max-upload-mb", min=0.001, help="Largest .wasm upload, in MiB."),
           limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit for every request, "
                                           "e.g. --limit mid_process_ms=10 (as for `run`); repeatable."),
           api_key: list[str] = typer.Option([], "--api-key", help="Require this key (Authorization: Bearer KEY) on "

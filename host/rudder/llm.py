@@ -90,9 +90,11 @@ class LLM:
             self._runtime = ControllerRuntime(self.tokenizer, self._controller_limits or Limits(), **self._runtime_options)
         return self._runtime
 
-    def start_controller(self, controller: "str | Path | bytes", arg: str | bytes = "", limits=None) -> Controller:
+    def start_controller(self, controller: "str | Path | bytes", arg: str | bytes = "", limits=None,
+                         seed: int | None = None) -> Controller:
         """A controller for one request: a built-in name (`rudder controllers`), a .wasm path, or
-        wasm bytes; `arg` is its argument. Raises ControllerError/ValueError on bad input."""
+        wasm bytes; `arg` is its argument; `seed` (the request's) seeds a component controller's
+        random numbers. Raises ControllerError/ValueError on bad input."""
         from .controller.build import builtin_controller
 
         if isinstance(controller, (bytes, bytearray)):
@@ -104,7 +106,7 @@ class LLM:
             wasm = path.read_bytes()
         else:
             wasm = builtin_controller(str(controller)).read_bytes()
-        return self.runtime.start(self.runtime.load(wasm), arg, limits)
+        return self.runtime.start(self.runtime.load(wasm), arg, limits, seed=seed)
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """Validate `params` against this model (token ids of logit_bias, what a pipeline can do);
@@ -171,8 +173,8 @@ class LLM:
         else:
             ctls = []
             try:
-                for _, name, arg in steered:
-                    ctls.append(None if name is None else self.start_controller(name, arg, controller_limits))
+                for p, name, arg in steered:
+                    ctls.append(None if name is None else self.start_controller(name, arg, controller_limits, p.seed))
             except BaseException:
                 for c in ctls:
                     if c is not None:
@@ -215,7 +217,7 @@ class LLM:
         each branch's last delta carries the Branch records applied to it (see `generate`)."""
         params, controller, controller_arg = self.steer(params, controller, controller_arg)
         if controller is not None and not hasattr(controller, "mid_process"):
-            controller = self.start_controller(controller, controller_arg, controller_limits)
+            controller = self.start_controller(controller, controller_arg, controller_limits, params.seed)
         req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller, trace=trace)
         try:
             while not req.finished:

@@ -4,6 +4,8 @@ one module or one instance can be a few KiB or many MiB."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 from collections import OrderedDict
 
@@ -64,12 +66,32 @@ class SnapshotCache:
             cmod.snapshot = snap
             self._lru[id(cmod)] = cmod
             self.bytes += snap.stored_bytes
+            dropped = 0
             while self.bytes > self.budget and len(self._lru) > 1:
                 _, old = self._lru.popitem(last=False)
                 self.bytes -= old.snapshot.stored_bytes
+                dropped += old.snapshot.stored_bytes
                 old.snapshot = None
+        if dropped >= 1 << 20:
+            _give_back_free_heap()
 
     def forget(self, cmod) -> None:
         with self._lock:
             if self._lru.pop(id(cmod), None) is not None:
                 self.bytes -= cmod.snapshot.stored_bytes
+
+
+_libc = None
+
+
+def _give_back_free_heap() -> None:
+    """Return freed heap pages to the OS (glibc's malloc_trim). Snapshots are large buffers;
+    after many come and go, glibc's raised mmap threshold leaves them in the heap, and the
+    freed space would stay in RSS for good. A no-op where there is no glibc."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        lib = ctypes.CDLL(name) if name else None
+        _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else False
+    if _libc:
+        _libc.malloc_trim(0)

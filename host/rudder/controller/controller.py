@@ -78,7 +78,9 @@ class Controller:
                                           f"server's guest memory budget is spent", inst.log_tail())
             return self._decoder.decode(inst, ptr)
         except ControllerError as e:
-            self._failure = e
+            # A copy without the traceback: its frames hold this controller and its instance,
+            # and keeping them here would make a cycle that holds guest memory until a gc.
+            self._failure = ControllerError(e.kind, str(e), e.log_tail, e.busy)
             raise
 
     def _reserve_input(self, n: int) -> None:

@@ -13,6 +13,9 @@ Engine settings, and why:
   fresh pages costs a page fault per 4 KiB (a 1.3 MB token table: ~0.8 ms); in a reused,
   resident slot the same copy takes ~0.1 ms. If the pool cannot be reserved (it is virtual
   address space: ~4 GiB per slot), we fall back to wasmtime's default allocator.
+  At most WARM_SLOTS unused slots stay warm (resident, with their module's image): wasmtime's
+  default of 100 let a server that ran many distinct modules keep ~100 x keep_resident of
+  idle guest pages in RSS for good (benchmarks/soak.py).
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ class _Shared:
         return self._table
 
 
+WARM_SLOTS = 16  # unused pool slots kept resident: at most 16 x keep_resident (4 MiB) of idle pages
+
+
 def _config(pooling: dict | None) -> wasmtime.Config:
     cfg = wasmtime.Config()
     cfg.epoch_interruption = True
@@ -114,6 +120,7 @@ def _config(pooling: dict | None) -> wasmtime.Config:
             _wb.wasmtime_pooling_allocation_config_max_tables_per_module_set(pc, 1)
             _wb.wasmtime_pooling_allocation_config_max_memory_size_set(pc, pooling["max_memory"])
             _wb.wasmtime_pooling_allocation_config_linear_memory_keep_resident_set(pc, pooling["keep_resident"])
+            _wb.wasmtime_pooling_allocation_config_max_unused_warm_slots_set(pc, WARM_SLOTS)
             _wb.wasmtime_pooling_allocation_strategy_set(cfg.ptr(), pc)
         finally:
             _wb.wasmtime_pooling_allocation_config_delete(pc)

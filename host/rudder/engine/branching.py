@@ -107,9 +107,10 @@ class Steering:
         or an invalid Branch ends its own request, nothing else. `seconds`: what the call took
         (for a traced request)."""
         req = seq.request
+        if isinstance(answer, BaseException):  # not raised here: its traceback would hold this frame
+            self._fail_by(req, answer, deltas)
+            return []
         try:
-            if isinstance(answer, BaseException):
-                raise answer
             if not answer:
                 deltas.append(self.finish(seq, "stop"))
                 return []
@@ -125,9 +126,12 @@ class Steering:
                     samples.append(Sample(s, row, branch))
             return samples
         except Exception as e:  # noqa: BLE001  (whatever the controller did, only its request fails)
-            kind = getattr(e, "kind", None) or ("invalid_branch" if isinstance(e, InvalidBranch) else "error")
-            self.fail_request(req, f"controller {kind}: {e}", deltas)
+            self._fail_by(req, e, deltas)
             return []
+
+    def _fail_by(self, req: Request, e: BaseException, deltas: list[Delta]) -> None:
+        kind = getattr(e, "kind", None) or ("invalid_branch" if isinstance(e, InvalidBranch) else "error")
+        self.fail_request(req, f"controller {kind}: {e}", deltas)
 
     def apply_branch(self, seq: Sequence, branch: Branch, deltas: list[Delta]) -> bool:
         """Backtrack and fast-forward; True when the sequence samples from this step's logits."""

@@ -30,9 +30,11 @@ def run_call(controller, branch_idx: int, backtrack: int, tokens) -> tuple[objec
     try:
         answer = controller.mid_process(branch_idx, backtrack, tokens)
     except Exception as e:  # noqa: BLE001  (the controller's failure is its request's, not ours)
-        # Without its traceback: the frames would keep the failed instance (and its memory)
-        # alive in a reference cycle until the garbage collector runs.
+        # Without its traceback, nor those of the exceptions it was raised from: their frames
+        # would keep the failed instance (and its memory) alive in a reference cycle until
+        # the garbage collector runs.
         answer = e.with_traceback(None)
+        e.__context__ = e.__cause__ = None
     return answer, time.thread_time() - t0
 
 

@@ -308,7 +308,11 @@ class Engine:
         if block:
             wait_futures([late.call for late in self._late.values()], timeout=1.0, return_when=FIRST_COMPLETED)
         for seq_id in [i for i, late in self._late.items() if late.call.done()]:
-            late = self._late.pop(seq_id)
+            # An answer applied before this one may have failed its request and so released this
+            # sequence (a fork of the same request): it is gone from _late, its answer moot.
+            late = self._late.pop(seq_id, None)
+            if late is None:
+                continue
             seq = late.seq
             answer, secs = late.call.result()
             seq.request.usage.controller_s += secs

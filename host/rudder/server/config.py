@@ -18,7 +18,7 @@ class ServerConfig:
     max_queue: int = 64                # requests waiting for a place; past that: 429
     max_tokens: int = 1024             # the most a request may ask for
     default_max_tokens: int = 256      # when a chat or /v1/run request does not say (completions: 16)
-    max_upload_bytes: int = 8 << 20    # a .wasm upload
+    max_upload_bytes: int = 32 << 20   # a .wasm upload (a Python component is ~18 MB)
     max_modules: int = 256             # uploaded modules kept (content-addressed), all tenants together
     max_loaded_modules: int = 64       # uploaded modules kept loaded in memory (an LRU; the rest stay on disk)
     controller_limits: dict = field(default_factory=dict)  # lowers the ABI defaults (`--limit`)

@@ -161,7 +161,7 @@ class Service:
                     resolved = await asyncio.to_thread(self.registry.resolve, steer.controller)
             await self.admission.acquire(who.tenant)
             acquired = True
-            ctl = await self._start_controller(resolved, steer) if resolved is not None else None
+            ctl = await self._start_controller(resolved, steer, params.seed) if resolved is not None else None
             job = Job(asyncio.get_running_loop(), prompt_ids, params, ctl, queue=queue, index=index,
                       arrived=arrived, tenant=who.tenant, label=label,
                       module_id=resolved.module_id if resolved else None)
@@ -179,11 +179,12 @@ class Service:
         self.engine_loop.submit(job)
         return job
 
-    async def _start_controller(self, resolved, steer: Steer):
-        """runtime.start in a thread; if the handler is cancelled meanwhile (the client left),
-        the controller it still makes is closed."""
+    async def _start_controller(self, resolved, steer: Steer, seed: int | None):
+        """runtime.start in a thread (`seed`: the request's, for a component's random numbers);
+        if the handler is cancelled meanwhile (the client left), the controller it still makes
+        is closed."""
         fut = asyncio.ensure_future(asyncio.to_thread(self.llm.runtime.start, resolved.module, steer.arg,
-                                                      steer.limits))
+                                                      steer.limits, seed=seed))
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
