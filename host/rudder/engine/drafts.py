@@ -58,6 +58,7 @@ class DraftModel:
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.bm = BlockManager(num_blocks, block_size)
         self.cached: dict[int, list[int]] = {}  # tokens whose keys/values the draft cache holds
+        self.fed = 0  # the most tokens one sequence fed in the last call (1-2 when it keeps up)
 
     def logits(self, jobs: list[tuple[int, list[int]]]) -> list[torch.Tensor | None]:
         """Next-token logits after each job's tokens (one forward for all); None for a job that
@@ -68,6 +69,7 @@ class DraftModel:
             rows.append(None if entry is None else len(batch))
             if entry is not None:
                 batch.append(entry)
+        self.fed = max((e.num_tokens for e in batch), default=0)
         if not batch:
             return [None] * len(jobs)
         self.runner.copy_blocks(self.bm.take_copies())

@@ -43,7 +43,15 @@ NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the
 # time), int8 0.14 (vector dot products below 8 rows), fp32 0.01-0.03; the guard catches a wrong guess.
 ROW_COST = 0.03
 PROBE_EVERY = 8  # a sequence that stopped drafting (k = 0) tries one token this often, to notice a change
-NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}
+NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}  # seeded requests' fixed estimates (no wall clock)
+# Until a draft model's step has been measured, its cost is taken as this fraction of the
+# target's measured step (an int8 copy of a bf16 target costs about half): drafting is then
+# tried, measured, and judged, whatever the target's speed.
+UNMEASURED_DRAFT_SHARE = 0.5
+# A draft model's round is timed only when it read at most this many new tokens per sequence: a
+# round that first reads what the draft model missed (the prompt, the steps it sat out) is not
+# the cost of a drafted position.
+CAUGHT_UP_TOKENS = 2
 # The guard (_Adaptive.guard): measured tokens per second of a sequence's drafting steps against
 # its plain steps. A sequence decodes GUARD_SAMPLES plain steps first (the rate to beat, before a
 # draft model pays for reading the prompt). Drafting that runs slower than plain by more than
@@ -137,11 +145,12 @@ class _Adaptive:
         self.hits = _EMA * self.hits + accepted
         self.tries = _EMA * self.tries + accepted + rejected
 
-    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True) -> int:
+    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True, probe: int = 1) -> int:
         """The k that maximises expected tokens per second: a draft of k tokens yields
         (1 - a^(k+1)) / (1 - a) tokens for one target forward over k + 1 positions plus k draft
         steps (each with a controller call, whose measured time counts when `timed`). 0 = do not
-        draft this step (then every PROBE_EVERY steps a 1-token probe)."""
+        draft this step (then every PROBE_EVERY steps a probe of `probe` tokens: a draft model's
+        probe drafts 2, since only its second round is timed - see CAUGHT_UP_TOKENS)."""
         a, cost = self.alpha, t_draft + (self.ctl_time if timed else 0.0)
         best, best_rate = 0, 1.0 / t_target
         for k in range(1, k_max + 1):
@@ -151,7 +160,7 @@ class _Adaptive:
         if best == 0:
             self.idle += 1
             if self.idle >= PROBE_EVERY:
-                best = 1
+                best = min(probe, k_max)
         if best:
             self.idle = 0
         return best
@@ -216,7 +225,8 @@ class Speculator:
         self._draft_model: DraftModel | None = None
         self.adaptive: dict[int, _Adaptive] = {}  # by seq_id
         self.t_target = NOMINAL_T_TARGET  # seconds per verification forward, running estimate
-        self.t_draft = dict(NOMINAL_T_DRAFT)  # seconds per drafted position, per source
+        # seconds per drafted position, per source (None: the draft model not measured yet)
+        self.t_draft: dict[str, float | None] = {"lookup": NOMINAL_T_DRAFT["lookup"], "draft": None}
 
     @property
     def draft_model(self) -> DraftModel:
@@ -264,7 +274,10 @@ class Speculator:
                 continue
             ad = self.adaptive.setdefault(seq.seq_id, _Adaptive())
             if p.seed is None:
-                k = ad.guard(ad.choose_k(p.spec_k, self.t_target, self.t_draft[p.speculative]),
+                t_draft = self.t_draft[p.speculative]
+                if t_draft is None:
+                    t_draft = UNMEASURED_DRAFT_SHARE * self.t_target
+                k = ad.guard(ad.choose_k(p.spec_k, self.t_target, t_draft, probe=2 if p.speculative == "draft" else 1),
                              plain_first=p.speculative == "draft")
             else:  # a seeded request repeats only if its drafts do: no wall-clock input to k
                 k = ad.choose_k(p.spec_k, NOMINAL_T_TARGET, NOMINAL_T_DRAFT[p.speculative], timed=False)
@@ -292,7 +305,6 @@ class Speculator:
     def _draft(self, drafts: dict) -> None:
         # The first call reports what the normal step would (the pending token, a backtrack...).
         tell = {seq: seq.cursor.call() for seq in drafts if seq.cursor is not None}
-        first = True
         while True:
             t0 = time.perf_counter()
             tasks = self._start_calls(tell)
@@ -302,10 +314,11 @@ class Speculator:
                 # the draft model's next logits: one forward fewer per drafting step)
                 if not d.done and sum(not st.forced for st in d.steps) < d.k:
                     by_source[seq.params.speculative].append(seq)
-            model_rows = {}
+            model_rows, caught_up = {}, True
             if by_source["draft"]:  # the draft model computes while the controllers run
                 jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
                 model_rows = dict(zip(by_source["draft"], self.draft_model.logits(jobs)))
+                caught_up = self.draft_model.fed <= CAUGHT_UP_TOKENS
             for seq, future in tasks.items():
                 answer, seconds = future.result()
                 d = drafts[seq]
@@ -329,11 +342,10 @@ class Speculator:
             if active:
                 n = sum(1 for s in active if not drafts[s].done)
                 for source in ("draft", "lookup"):
-                    # the draft model's first round also feeds it what it missed (the prompt,
-                    # the steps it sat out): not the cost of a drafted position
-                    if by_source[source] and n and not (first and source == "draft"):
-                        self.t_draft[source] = _EMA * self.t_draft[source] + (1 - _EMA) * (time.perf_counter() - t0)
-            first = False
+                    # a round in which the draft model also read what it missed is not counted
+                    if by_source[source] and n and (caught_up or source == "lookup"):
+                        took, before = time.perf_counter() - t0, self.t_draft[source]
+                        self.t_draft[source] = took if before is None else _EMA * before + (1 - _EMA) * took
             if not any(not d.done for d in drafts.values()):
                 break
         for seq, d in drafts.items():
