@@ -8,6 +8,8 @@ otherwise. Set RUDDER_NO_NATIVE=1 to turn them (and the other native code) off.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import native
@@ -25,6 +27,22 @@ OP_NONE, OP_ADD, OP_SWIGLU = 0, 1, 2  # epilogues of the linear kernels (native/
 SINGLE_THREAD_ROWS = 16
 
 _lib = None
+_hooks = threading.local()
+
+
+def before_decoder(fn) -> None:
+    """Run `fn` (once, in this thread) right before the next DecoderStack call, when this thread
+    releases the GIL for the whole of the decoder layers; `take_before_decoder()` takes it back
+    if no such call came. The engine starts its controllers' calls so: their threads then find
+    the GIL free instead of waking while the engine thread still runs Python (measured: a
+    controller call started before the forward pass made a bf16 SmolLM2 step ~0.25 ms slower)."""
+    _hooks.fn = fn
+
+
+def take_before_decoder():
+    """The hook `before_decoder` set and no DecoderStack call ran, or None."""
+    fn, _hooks.fn = getattr(_hooks, "fn", None), None
+    return fn
 
 
 def _kernels():
@@ -125,6 +143,9 @@ class DecoderStack:
         """The layers over x ([T, hidden] bf16, contiguous; updated in place); kv_cache [layers,
         2, blocks, block_size, kv heads, head dim], contiguous."""
         stride = kv_cache[0, 0].numel()
+        hook = take_before_decoder()
+        if hook is not None:
+            hook()
         if _kernels().rudder_decoder(self.array, self.count, step.struct, x.data_ptr(), self.hidden, self.eps,
                                      kv_cache.data_ptr(), stride, _threads(x.shape[0])):
             raise MemoryError("native decoder: no memory for a step's buffers")

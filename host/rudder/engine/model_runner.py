@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model import LlamaModel
+from .. import kernels
+from ..model import LlamaModel, native_stack
 from ..packed_linear import pack_linears
 from .kv_cache import KVCache
 from .runner import Capabilities
@@ -27,6 +28,9 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.kv_cache = KVCache(model.cfg, num_blocks, block_size, self.device,
                                 dtype=getattr(model, "act_dtype", torch.float32))  # the activations' precision
+        if (isinstance(model, LlamaModel) and self.kv_cache.dtype == torch.bfloat16 and kernels.available(self.device)
+                and native_stack(model) is not None):
+            self.capabilities = Capabilities(verify_rows=True, native_decoder=True)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv_cache.copy_blocks(copies)
