@@ -366,8 +366,9 @@ def main(argv=None) -> dict:
 
             torch.set_num_threads(args.threads)
         results["e2e"] = measure_e2e(dtypes=[d for d in args.e2e_dtypes.split(",") if d])
+    print_table(results)  # before the languages rows, which take minutes and may fail on their own
+    sys.stdout.flush()
     results["languages"] = measure_languages(start_tok, min(args.calls, 5000))
-    print_table(results)
     print_languages(results["languages"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
