@@ -26,8 +26,9 @@ Rows:
   live instance (20 started, RSS delta / 20). Goals: start <= 10 ms, trivial step <= 50 us,
   JSON step <= C's + 50 us, RSS <= 8 MiB per instance.
 - with --e2e: SmolLM2 greedy decode tokens/s with the full-mask controller on every sequence vs
-  no controller (batch 1 and 4, A/B per step): the controller runs during the forward pass, so
-  the ratio shows what is left of its cost.
+  no controller (batch 1 and 4, A/B per step, in each precision of --e2e-dtypes): the
+  controller runs during the forward pass, so the ratio shows what is left of its cost; the
+  interval is a bootstrap 95 % one of the ratio of the arms' medians (steps resampled).
 
 The machine is shared and noisy: medians over many calls, and compare within one run.
 """
@@ -110,7 +111,15 @@ def measure_overhead(tokenizer, calls: int = 20000) -> dict:
             "apply_random": apply_random, "step_total": total}
 
 
-def measure_e2e(batches=(1, 4), steps: int = 240) -> list[dict]:
+def _ratio_ci(plain: list[float], ctl: list[float], n: int = 2000) -> tuple[float, float]:
+    """A bootstrap 95 % interval of median(plain) / median(ctl)."""
+    rng = np.random.default_rng(0)
+    p, c = np.asarray(plain), np.asarray(ctl)
+    ratios = (np.median(rng.choice(p, (n, p.size)), axis=1) / np.median(rng.choice(c, (n, c.size)), axis=1))
+    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def measure_e2e(batches=(1, 4), steps: int = 240, dtypes=("auto",)) -> list[dict]:
     """SmolLM2 greedy decode with the full-mask controller on every sequence vs none.
 
     Whole runs that alternate still drift apart by several % on this shared machine, so the
@@ -121,33 +130,42 @@ def measure_e2e(batches=(1, 4), steps: int = 240) -> list[dict]:
 
     from rudder import LLM
 
-    llm = LLM("smollm2")
     wasm = wasm_of(full_mask_wat())
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     prompts = ["The history of sailing ships", "A rudder is", "Write a poem about the sea", "Ships and boats"]
     coin = random.Random(0)
     rows = []
+    for dtype in dtypes:  # auto: bf16 where the CPU has native bf16 (rudder/precision.py)
+        llm = LLM("smollm2", dtype=dtype)
+        rows += _e2e_rows(llm, wasm, params, prompts, coin, batches, steps)
+        llm.close()
+    return rows
+
+
+def _e2e_rows(llm, wasm, params, prompts, coin, batches, steps) -> list[dict]:
+    rows = []
     for batch in batches:
         reqs = [llm.engine.add_request(p, params, llm.start_controller(wasm)) for p in prompts[:batch]]
         seqs = [r.seqs[0] for r in reqs]
-        controllers = [s.controller for s in seqs]
+        cursors = [s.cursor for s in seqs]  # (a sequence's controller lives in its cursor)
         for _ in range(3):  # prefill and warm-up
             llm.engine.step()
         arms = {"plain": [], "controller": []}
         for _ in range(steps):
             arm = coin.choice(list(arms))
-            for seq, ctl in zip(seqs, controllers):
-                seq.controller = ctl if arm == "controller" else None
+            for seq, cursor in zip(seqs, cursors):
+                seq.cursor = cursor if arm == "controller" else None
             t0 = time.perf_counter()
             llm.engine.step()
             arms[arm].append(time.perf_counter() - t0)
-        for seq, ctl in zip(seqs, controllers):
-            seq.controller = ctl
+        for seq, cursor in zip(seqs, cursors):
+            seq.cursor = cursor
         for r in reqs:
             llm.engine.cancel(r.request_id)
         p, c = float(np.median(arms["plain"])), float(np.median(arms["controller"]))
-        rows.append({"batch": batch, "plain_ms_per_step": 1e3 * p, "controller_ms_per_step": 1e3 * c,
-                     "plain_tok_s": batch / p, "controller_tok_s": batch / c, "ratio": p / c,
+        rows.append({"dtype": llm.dtype, "batch": batch, "plain_ms_per_step": 1e3 * p,
+                     "controller_ms_per_step": 1e3 * c, "plain_tok_s": batch / p, "controller_tok_s": batch / c,
+                     "ratio": p / c, "ratio_ci95": _ratio_ci(arms["plain"], arms["controller"]),
                      "steps": {k: len(v) for k, v in arms.items()}})
     return rows
 
@@ -300,8 +318,10 @@ def print_table(results: dict) -> None:
     print(f"{'load: on-disk cache hit':<38} {ld['disk_hit']['median_us']:>8.1f}us {ld['disk_hit']['p99_us']:>8.1f}us")
     print(f"(pooling allocator: {st['pooling']})")
     for row in results.get("e2e", []):
-        print(f"{'decode B=' + str(row['batch']) + ' full-mask ctl vs none':<38} "
-              f"{row['controller_tok_s']:>7.1f} vs {row['plain_tok_s']:.1f} tok/s = {row['ratio']:.3f}x")
+        lo, hi = row["ratio_ci95"]
+        print(f"{'decode ' + row['dtype'] + ' B=' + str(row['batch']) + ' full-mask ctl vs none':<38} "
+              f"{row['controller_tok_s']:>7.1f} vs {row['plain_tok_s']:.1f} tok/s = {row['ratio']:.3f}x "
+              f"[{lo:.3f}, {hi:.3f}]")
 
 
 def main(argv=None) -> dict:
@@ -310,6 +330,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--smollm2", action="store_true", help="start rows with SmolLM2's tokenizer "
                     "(needs the model in $RUDDER_HOME); else a synthetic 49152-token vocabulary")
     ap.add_argument("--e2e", action="store_true", help="also time SmolLM2 decode with and without a controller")
+    ap.add_argument("--e2e-dtypes", default="auto", help="the model's precisions for --e2e, comma-separated "
+                    "(auto, fp32, bf16, int8)")
+    ap.add_argument("--threads", type=int, help="torch threads for --e2e (default: torch's)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--languages", action="store_true", help="only the C / Python / JavaScript rows")
     args = ap.parse_args(argv)
@@ -338,9 +361,14 @@ def main(argv=None) -> dict:
         "load": measure_load(start_tok),
     }
     if args.e2e:
-        results["e2e"] = measure_e2e()
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        results["e2e"] = measure_e2e(dtypes=[d for d in args.e2e_dtypes.split(",") if d])
+    print_table(results)  # before the languages rows, which take minutes and may fail on their own
+    sys.stdout.flush()
     results["languages"] = measure_languages(start_tok, min(args.calls, 5000))
-    print_table(results)
     print_languages(results["languages"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -141,20 +141,38 @@ def test_bad_input_is_a_value_error(tiny):
         tiny.engine.add_request([1, 10**6])
 
 
-def test_controller_masks_and_runs_during_the_forward_pass(tiny):
-    """The controller's mask constrains sampling, and mid_process runs while the model computes."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_controller_masks_and_runs_during_the_forward_pass(dtype, monkeypatch):
+    """The controller's mask constrains sampling, and mid_process runs while the model computes:
+    from the step's start on the torch path (fp32); with the native decoder (bf16), from the
+    moment the forward pass enters it and not before (the engine thread then holds no GIL)."""
+    from rudder import kernels
+
+    llm = LLM("tiny", dtype=dtype, kv_cache_tokens=4096, block_size=8)
+    native = llm.engine.runner.capabilities.native_decoder
+    assert native == (dtype == "bf16" and kernels.available())
     allowed = [ord(c) + 3 for c in "xyz"]  # byte-level ids: 3 specials, then bytes
-    words = np.zeros((tiny.model.cfg.vocab_size + 31) // 32, np.uint32)
+    words = np.zeros((llm.model.cfg.vocab_size + 31) // 32, np.uint32)
     for t in allowed:
         words[t >> 5] |= np.uint32(1 << (t & 31))
-    overlapped, started = [], threading.Event()
-    run = tiny.engine.runner.run
+    overlapped, held, started = [], [], threading.Event()
+    run = llm.engine.runner.run
 
     def watching_run(batch, *args):
         # If controllers ran after the forward pass, this wait would time out.
         overlapped.append(started.wait(timeout=5))
         started.clear()
         return run(batch, *args)
+
+    take = kernels.take_before_decoder
+
+    def watching_decoder():  # inside DecoderStack.run, right before its native call
+        hook = take()
+        if hook is not None:
+            held.append(not started.is_set())  # nothing ran before the decoder started
+            hook()
+            overlapped.append(started.wait(timeout=5))
+            started.clear()
 
     class XYZ:
         def mid_process(self, branch_idx, backtrack, tokens):
@@ -168,11 +186,52 @@ def test_controller_masks_and_runs_during_the_forward_pass(tiny):
         def close(self):
             pass
 
-    tiny.engine.runner.run = watching_run
-    try:
-        [out] = tiny.generate(["hi"], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
-                              controllers=[XYZ()])
-    finally:
-        tiny.engine.runner.run = run
+    if native:
+        monkeypatch.setattr(kernels, "take_before_decoder", watching_decoder)
+    else:
+        llm.engine.runner.run = watching_run
+    [out] = llm.generate(["hi"], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+                         controllers=[XYZ()])
     assert set(out.text) <= set("xyz") and len(out.token_ids) == 12
-    assert overlapped == [True] * 12
+    assert overlapped == [True] * 12 and held == ([True] * 12 if native else [])
+
+
+@pytest.mark.skipif(not __import__("rudder").kernels.available(), reason="no native kernels")
+def test_held_controller_calls_are_released_when_the_forward_pass_fails(monkeypatch):
+    """A forward pass that fails before the native decoder starts still hands the step's held
+    controller calls to the workers, so the engine fails the requests instead of waiting."""
+    from rudder.engine import RunnerFailure
+
+    llm = LLM("tiny", dtype="bf16", kv_cache_tokens=4096, block_size=8)
+    assert llm.engine.runner.capabilities.native_decoder
+    run = llm.engine.runner.run
+    calls = []
+
+    class Counting:
+        def mid_process(self, branch_idx, backtrack, tokens):
+            calls.append(len(tokens))
+            return [Branch()]
+
+        def fork(self):
+            raise AssertionError("no forks here")
+
+        def close(self):
+            pass
+
+    def failing(batch, *args):
+        if calls:  # the first step ran; the second fails before reaching the decoder
+            raise RunnerFailure("the model is gone")
+        return run(batch, *args)
+
+    monkeypatch.setattr(llm.engine.runner, "run", failing)
+    req = llm.engine.add_request("hi", SamplingParams(max_tokens=8, ignore_eos=True), Counting())
+    done = threading.Event()
+
+    def drive():
+        while not req.finished:
+            llm.engine.step()
+        done.set()
+
+    threading.Thread(target=drive, daemon=True).start()
+    assert done.wait(timeout=30), "the engine waited for controller calls nobody started"
+    assert llm.engine.completions(req)[0].finish_reason == "error" and len(calls) == 2

@@ -608,7 +608,7 @@ except ControllerError as e:
     out["orphaned"] = [e.kind, str(e)]
 
 from rudder import LLM, SamplingParams
-llm = LLM("tiny")
+llm = LLM("tiny", dtype="fp32")  # (auto would be fp32 here, without the native kernels)
 outs = llm.generate(["x"] * 3, [SamplingParams(max_tokens=24, seed=s, temperature=1.0) for s in range(3)],
                     controller="regex", controller_arg="[a-z]{3,8}( [a-z]{3,8})*")
 out["texts"] = [o.text for o in outs]
@@ -640,7 +640,7 @@ def test_without_the_native_library_deadlines_still_fire():
         kind, message = out[hook][:2]
         assert kind == "timeout" and f"deadline of {ms} ms" in message, (hook, message)
     assert 0.025 <= out["rudder_mid_process"][2] < HANG_MARGIN_S
-    llm = LLM("tiny")   # here, with the native mask kernel
+    llm = LLM("tiny", dtype="fp32")   # here, with the native mask kernel; the same precision
     outs = llm.generate(["x"] * 3, [SamplingParams(max_tokens=24, seed=s, temperature=1.0) for s in range(3)],
                         controller="regex", controller_arg="[a-z]{3,8}( [a-z]{3,8})*")
     assert out["texts"] == [o.text for o in outs]

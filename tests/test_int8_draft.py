@@ -1,12 +1,13 @@
-"""The default draft model of speculative decoding, `int8` (the target dynamically quantized),
+"""The default draft model of speculative decoding, `int8` (the target with int8 weights),
 on the tiny random-weight model: offline, no SmolLM2 (test_speculative.py drafts with the
 target's first layer; `rudder generate --speculative draft` is in test_cli.py)."""
 
 from __future__ import annotations
 
-import torch
+from torch import nn
 
 from rudder import LLM, SamplingParams
+from rudder.packed_linear import Int8Linear
 
 
 def test_the_default_draft_is_the_quantized_model_and_greedy_is_unchanged():
@@ -22,8 +23,9 @@ def test_the_default_draft_is_the_quantized_model_and_greedy_is_unchanged():
         assert s.speculative["target_forwards"] < len(s.token_ids)   # drafts saved target passes
     draft = llm.engine.spec._draft_model.model
     target = llm.model
-    quantized = [m for m in draft.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
-    assert len(quantized) > target.cfg.num_layers   # each layer's projections and the LM head
-    assert all(m.weight().dtype == torch.qint8 for m in quantized)
-    assert not [m for m in draft.modules() if type(m) is torch.nn.Linear]   # no float layer left
-    assert draft.embed_tokens is target.embed_tokens   # shared, not copied
+    quantized = [m for m in draft.modules() if isinstance(m, Int8Linear)]
+    assert len(quantized) == 4 * target.cfg.num_layers + 1   # each layer's projections and the LM head
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head is not target.lm_head
+    assert not [m for m in draft.modules() if type(m) is nn.Linear]   # no float layer left
+    assert draft.embed_tokens.weight.dtype != target.embed_tokens.weight.dtype or \
+        draft.embed_tokens is target.embed_tokens   # shared, not copied, where the dtype allows

@@ -1,5 +1,7 @@
-"""oneDNN-packed linear layers (rudder/packed_linear.py): the same numbers as F.linear, rows that
-do not depend on their batch, and a whole model that still computes what it did."""
+"""The linear layers of each precision (rudder/packed_linear.py): oneDNN-packed fp32 and the native
+bf16 / int8 kinds compute F.linear's numbers (of their rounded weights), with rows that do not
+depend on their batch, fused epilogues (residual add, SwiGLU) equal to the unfused ops, and a whole
+model that still computes what it did."""
 
 import copy
 
@@ -12,7 +14,9 @@ from torch import nn
 from rudder.config import TINY_CONFIG
 from rudder.engine.model_runner import StepArrays
 from rudder.model import build_model
-from rudder.packed_linear import PackedLinear, pack_linears, packing_available, unpack_linears
+from rudder import kernels
+from rudder.packed_linear import (Bf16Linear, Int8Linear, Linear, PackedLinear, pack_blocks, pack_linears,
+                                  packing_available, unpack_blocks, unpack_linears)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
 
@@ -66,10 +70,61 @@ def test_only_the_last_pipeline_stage_gets_a_head():
     from rudder.pipeline.stage_model import build_stage_model
 
     first, last = (build_stage_model("tiny:4", stage) for stage in partition(4, 2))
-    assert first.lm_head is None and isinstance(last.lm_head, PackedLinear)
+    assert first.lm_head is None and isinstance(last.lm_head, Linear)
 
 
 def test_other_dtypes_are_left_alone():
-    model = build_model(TINY_CONFIG, None).to(torch.float64)
+    model = unpack_linears(build_model(TINY_CONFIG, None)).to(torch.float64)
     pack_linears(model)
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert not any(isinstance(m, Linear) for m in model.modules())
+
+
+native = pytest.mark.skipif(not kernels.available(), reason="no native kernels")
+
+
+@pytest.mark.parametrize("per_lane, n, k", [(2, 40, 64), (2, 33, 48)])
+def test_block_packing_round_trips(per_lane, n, k):
+    w = torch.randn(n, k)
+    packed = pack_blocks(w, per_lane)
+    assert packed.shape == ((n + 15) // 16, k // per_lane, 16, per_lane)
+    assert torch.equal(unpack_blocks(packed, n), w)
+    both = pack_blocks(torch.cat([w, 2 * w]), per_lane, swiglu=True)
+    assert torch.equal(unpack_blocks(both, 2 * n, swiglu=True), torch.cat([w, 2 * w]))
+
+
+@native
+@pytest.mark.parametrize("kind", [Bf16Linear, Int8Linear])
+@pytest.mark.parametrize("n, k", [(300, 96), (40, 64), (17, 36)])
+def test_native_layers_compute_f_linear_of_their_weights(kind, n, k):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=gen) / 10
+    layer = kind(w, out_dtype=torch.float32)
+    rel = (layer.weight - w).norm() / w.norm()
+    assert rel < (0.004 if kind is Bf16Linear else 0.01)  # what rounding the weights costs
+    x = torch.randn(37, k, generator=gen).bfloat16()
+    full = layer(x)
+    ref = F.linear(x.float(), layer.weight)
+    # bf16: fp32 sums of exact products; int8: x is taken at 16 bits against each row's largest value
+    assert (full - ref).norm() / ref.norm() < (1e-6 if kind is Bf16Linear else 1e-4)
+    for rows in (1, 5, 16, 17):  # a row's result is the same whatever else the call holds
+        assert torch.equal(layer(x[:rows]), full[:rows])
+    assert torch.equal(copy.deepcopy(layer)(x), full)
+
+
+@native
+@pytest.mark.parametrize("kind", [Bf16Linear, Int8Linear])
+def test_native_epilogues_equal_the_unfused_ops(kind):
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(2 * 40, 64, generator=gen) / 8
+    x = torch.randn(6, 64, generator=gen).bfloat16()
+    tol = 1e-5 if kind is Bf16Linear else 1e-3
+    gate_up = kind(w, out_dtype=torch.float32, swiglu=True)
+    y = F.linear(x.float(), gate_up.weight)
+    torch.testing.assert_close(gate_up.swiglu(x), F.silu(y[:, :40]) * y[:, 40:], atol=tol, rtol=tol)
+    torch.testing.assert_close(gate_up(x), y, atol=tol, rtol=tol)
+    down = kind(w[:40], out_dtype=torch.float32)
+    residual = torch.randn(6, 40, generator=gen)
+    expected = residual + F.linear(x.float(), down.weight)
+    out = down.add_into(x, residual)
+    assert out is residual  # in place: the residual stream is updated, not copied
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)

@@ -154,3 +154,21 @@ def test_greedy_rows_take_the_argmax_and_draw_nothing():
         assert generators[0].random() == np.random.default_rng(5).random()  # greedy consumes no uniform
     mixed = greedy[:2] + [SamplingParams(temperature=1.0)]  # a sampled row in the batch: the general path
     assert Sampler(V).sample(logits.clone(), mixed, rngs([0, 1, 2])).tokens[:2] == want[:2]
+
+
+def test_greedy_under_masks_is_the_general_paths_answer():
+    """The greedy fast path (masks, no processing) gives what the general path does: the masked
+    argmax per row, the plain argmax for an unmasked row, -1 where the mask allows nothing."""
+    gen = np.random.default_rng(11)
+    logits = torch.from_numpy(gen.normal(0, 3, (4, V + 24)).astype(np.float32))  # padded past the vocabulary
+    allowed = gen.random((4, V)) < 0.2
+    masks = [mask_from_allowed(allowed[0]), None, np.zeros((V + 31) // 32, np.uint32), mask_from_allowed(allowed[3])]
+    greedy = [SamplingParams(temperature=0)] * 4
+    fast = Sampler(V).sample(logits.clone(), greedy, rngs(range(4)), masks)
+    want = [int(torch.where(torch.from_numpy(allowed[0]), logits[0, :V], float("-inf")).argmax()),
+            int(logits[1, :V].argmax()), -1,
+            int(torch.where(torch.from_numpy(allowed[3]), logits[3, :V], float("-inf")).argmax())]
+    assert fast.tokens == want and fast.logprobs == [None] * 4
+    general = Sampler(V).sample(logits.clone(), [SamplingParams(temperature=0, logprobs=0)] * 4, rngs(range(4)),
+                                masks)  # logprobs asked: the general path
+    assert general.tokens == want

@@ -7,6 +7,8 @@ Speculative sampling must follow the target's distribution (chi-square against t
 
 from types import SimpleNamespace
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -371,3 +373,67 @@ def test_smollm2_greedy_speculation_is_exact_with_wasm_controllers(smol, control
     if controller != "force":  # force fast-forwards everything at once: no decoding step to speculate on
         assert out.speculative["spec_steps"] > 0
     check_caches_empty(smol)
+
+
+def test_the_guard_stops_drafting_that_is_measured_slower_and_backs_off_longer_each_time():
+    """Drafting steps that yield fewer tokens per second than plain steps stop for a while
+    (8 steps, then 16, ...); drafting that pays goes on. Driven by a fake clock."""
+    from rudder.engine.speculative import BACKOFF, GUARD_SAMPLES
+
+    def drive(ad, spec_rate, plain_rate, steps):
+        clock, length, plan = 0.0, 0, []
+        for _ in range(steps):
+            ad.step(clock, length)
+            k = ad.guard(4, plain_first=True)
+            plan.append(k)
+            ad.began(clock, length, k > 0)
+            length += 5 if k else 1
+            clock += 5 / spec_rate if k else 1 / plain_rate
+        ad.step(clock, length)
+        return plan
+
+    losing = drive(_Adaptive(), spec_rate=20.0, plain_rate=30.0, steps=80)
+    assert losing[:GUARD_SAMPLES] == [0] * GUARD_SAMPLES  # plain first: the rate to beat
+    runs = [len(list(g)) for is_plain, g in itertools.groupby(k == 0 for k in losing) if is_plain][1:]
+    assert runs[:2] == [BACKOFF + 1, 2 * BACKOFF + 1]  # the deciding step, then a back-off twice as long each time
+    assert sum(k > 0 for k in losing) < 20  # drafting is mostly off (a few steps to judge each try)
+
+    winning = drive(_Adaptive(), spec_rate=60.0, plain_rate=30.0, steps=80)
+    assert sum(k > 0 for k in winning) > 70  # drafting goes on, with a plain step now and then
+
+
+def test_a_draft_model_that_looks_too_dear_is_measured_again_by_its_probes():
+    """When the estimates say drafting loses, only probes draft; a draft model's probe drafts 2
+    tokens, so that its second round (the first also reads the tokens it sat out, and is not
+    timed) measures it and a stale, too-high cost comes down. Before the first measurement the
+    draft model's cost is a share of the target's, so drafting is tried whatever the target's
+    speed."""
+    from rudder.engine.speculative import UNMEASURED_DRAFT_SHARE
+
+    llm = LLM("tiny", kv_cache_tokens=2048, draft_model="layers:1")
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, speculative="draft", spec_k=4)
+    req = llm.engine.add_request("a b c d e f g h", params)  # (sets up the speculator)
+    spec = llm.engine.spec
+    assert spec.t_draft["draft"] is None and 0 < UNMEASURED_DRAFT_SHARE < 1
+    spec.t_draft["draft"] = 10.0  # seconds per drafted token: drafting looks hopeless
+    while not req.finished:
+        llm.engine.step()
+    out = llm.engine.completions(req)[0]
+    assert out.speculative["drafted"] > 0  # the probes drafted ...
+    assert spec.t_draft["draft"] < 10.0 * 0.9  # ... and were timed
+
+
+def test_the_draft_models_catch_up_is_not_timed_as_a_drafted_token():
+    """DraftModel.fed says how many tokens a sequence fed in the last call: the whole prompt at
+    its first draft, 1-2 once it keeps up (what the speculator times)."""
+    from rudder.engine.drafts import DraftModel
+    from rudder.loading import load_model
+
+    model, _ = load_model("tiny")
+    dm = DraftModel(model, 64, 4)
+    dm.logits([(7, list(range(1, 31)))])
+    assert dm.fed == 30
+    dm.logits([(7, list(range(1, 33)))])
+    assert dm.fed == 2
+    dm.logits([(7, list(range(1, 33)) + [5])])
+    assert dm.fed == 1

@@ -33,6 +33,8 @@ SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
 STOP = typer.Option([], "--stop", help="Stop when this text appears (repeatable).")
 MODEL = typer.Option("smollm2", "--model", "-m", help=MODEL_HELP)
 DEVICE = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda.")
+DTYPE = typer.Option("auto", "--dtype", help="Weight precision: auto (bf16 where the CPU has native bf16, else fp32), "
+                     "fp32, bf16 or int8; see docs/performance.md.")
 PIPELINE = typer.Option("1", "--pipeline-stages",
                         help="Split the model's layers over N processes (torch.distributed; see docs/pipeline.md), "
                              "or give the layers of each stage, e.g. 18,12.")
@@ -86,10 +88,21 @@ def _device(device: str) -> str:
     return device
 
 
-def _llm(model: str, device: str, pipeline_stages: str, draft_model: str = "int8"):
+def _dtype(dtype: str) -> str:
+    """--dtype's precision name, or a one-line ValueError naming the choices."""
+    from .precision import check_name
+
+    try:
+        return check_name(dtype)
+    except ValueError:
+        raise ValueError(f"--dtype {dtype!r}: expected auto, fp32, bf16 or int8") from None
+
+
+def _llm(model: str, device: str, pipeline_stages: str, draft_model: str = "int8", dtype: str = "auto"):
     from .llm import LLM
 
-    return LLM(model, device=_device(device), pipeline_stages=_stages(pipeline_stages), draft_model=draft_model)
+    return LLM(model, device=_device(device), dtype=_dtype(dtype), pipeline_stages=_stages(pipeline_stages),
+               draft_model=draft_model)
 
 
 def _check_module(controller: str) -> None:
@@ -224,7 +237,7 @@ def _structured(json_schema: str | None, regex: str | None, choice: list[str], g
 
 def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: str,
               controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False,
-              draft_model: str = "int8", trace: bool = False) -> None:
+              draft_model: str = "int8", trace: bool = False, dtype: str = "auto") -> None:
     """What `generate` and `run` share: set up, stream, report errors in one line (plus the
     controller's log tail), release the model (and its pipeline stages)."""
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -233,7 +246,7 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
         params = _params(**sampling)
         if controller is not None:
             _check_module(controller)  # a module that cannot load fails before the model loads
-        llm = _llm(model, device, pipeline_stages, draft_model)
+        llm = _llm(model, device, pipeline_stages, draft_model, dtype)
         params, name, name_arg = llm.steer(params, controller, _read_arg(arg) if controller else "")
         ctl = None
         if name is not None:
@@ -258,7 +271,7 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
 @app.command()
 def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
              top_p: float = TOP_P, top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP,
-             model: str = MODEL, device: str = DEVICE, pipeline_stages: str = PIPELINE,
+             model: str = MODEL, device: str = DEVICE, dtype: str = DTYPE, pipeline_stages: str = PIPELINE,
              speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL,
              json_schema: Optional[str] = JSON_SCHEMA, regex: Optional[str] = REGEX, choice: list[str] = CHOICE,
              grammar: Optional[str] = GRAMMAR, presence_penalty: float = PRESENCE,
@@ -272,7 +285,7 @@ def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKE
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                     speculative=speculative, spec_k=spec_k, structured=structured,
                     penalties=dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
-    _generate(prompt, sampling, chat, model, device, pipeline_stages, draft_model=draft_model)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages, draft_model=draft_model, dtype=dtype)
 
 
 @app.command()
@@ -287,12 +300,13 @@ def run(prompt: str = PROMPT,
                                         "max_log_bytes, max_var_bytes); repeatable."),
         chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
         top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
-        device: str = DEVICE, pipeline_stages: str = PIPELINE, speculative: Optional[str] = SPECULATIVE,
-        spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
+        device: str = DEVICE, dtype: str = DTYPE, pipeline_stages: str = PIPELINE,
+        speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                     speculative=speculative, spec_k=spec_k)
-    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model, trace)
+    _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model, trace,
+              dtype)
 
 
 @app.command()
@@ -336,7 +350,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           max_batch_tokens: int = typer.Option(DEFAULTS.max_batch_tokens, "--max-batch-tokens", min=1,
                                                help="Tokens fed to the model per step (prompt chunks + decoding)."),
           max_seqs: int = typer.Option(DEFAULTS.max_seqs, "--max-seqs", min=1, help="Sequences decoding at once."),
-          device: str = DEVICE, pipeline_stages: str = PIPELINE,
+          device: str = DEVICE, dtype: str = DTYPE, pipeline_stages: str = PIPELINE,
           pipeline_micro_batches: Optional[int] = typer.Option(
               None, "--pipeline-micro-batches", min=1,
               help="Steps in flight at once over the pipeline, each over its own share of the running "
@@ -367,7 +381,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
                               max_modules=max_modules,
                               engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
-                                              "max_seqs": max_seqs, "device": _device(device),
+                                              "max_seqs": max_seqs, "device": _device(device), "dtype": _dtype(dtype),
                                               "pipeline_stages": _stages(pipeline_stages),
                                               "micro_batches": pipeline_micro_batches,
                                               "guest_memory_bytes": guest_memory_mb << 20,

@@ -18,13 +18,15 @@ import torch
 
 from .engine import Completion, Controller, Delta, Engine, EngineConfig, SamplingParams
 from .loading import load_model, load_tokenizer
+from .precision import resolve
 from .structured import from_params
 
 __all__ = ["LLM"]
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", controller_limits=None,
+    def __init__(self, model: str = "smollm2", *, device: str | torch.device = "cpu", dtype: str = "auto",
+                 controller_limits=None,
                  pipeline_stages: int | list[int] | None = None, pipeline_threads: int | None = None,
                  pipeline_timeout: float = 60.0, config: EngineConfig | None = None,
                  guest_memory_bytes: int | None = None, snapshot_bytes: int | None = None, **engine_options):
@@ -32,6 +34,10 @@ class LLM:
         `config` (or its fields as keyword arguments: kv_cache_tokens, max_batch_tokens, max_seqs,
         micro_batches...) sizes the engine (engine/config.py; the CLI and the server share its
         defaults).
+
+        `dtype`: the weight precision, "auto" (bf16 where the CPU has native bf16, else fp32),
+        "fp32", "bf16" or "int8" (docs/performance.md); `self.dtype` is the one in use. An unknown
+        name is a ValueError before anything loads.
 
         `pipeline_stages`: split the model's layers over that many processes (or a list of
         layers per stage), driven over torch.distributed (docs/pipeline.md); this process is the
@@ -43,19 +49,21 @@ class LLM:
         `guest_memory_bytes` and `snapshot_bytes` are the sandbox's memory budgets for all live
         controller instances and for the post-init snapshots of loaded modules."""
         config = EngineConfig.of(**engine_options) if config is None else config.replace(**engine_options)
+        precision = resolve(dtype, device)  # a bad name fails here, before the weights load
         runner = None
         if pipeline_stages is None or pipeline_stages == 1:
-            self.model, self.tokenizer = load_model(model, device)
+            self.model, self.tokenizer = load_model(model, device, dtype=precision)
         else:
             from .pipeline import start_pipeline
 
             self.model, factory = start_pipeline(
                 model, pipeline_stages, kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
-                device=str(device), threads=pipeline_threads, timeout=pipeline_timeout)
+                device=str(device), threads=pipeline_threads, timeout=pipeline_timeout, dtype=precision)
             self.tokenizer = load_tokenizer(model)
             if engine_options.get("micro_batches") is None:
                 config = config.replace(micro_batches=self.model.stage.num_stages)
             runner = factory(config.num_blocks, config.block_size)
+        self.dtype = self.model.precision
         self.engine = Engine(self.model, self.tokenizer, config, runner=runner)
         self.pipeline = runner is not None  # the last stage samples: no logit processing there
         self._controller_limits = controller_limits

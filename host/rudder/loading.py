@@ -23,15 +23,16 @@ def tiny_config(spec: str) -> ModelConfig | None:
     return None
 
 
-def load_model(spec: str = "smollm2", device: str | torch.device = "cpu"):
-    """(model, tokenizer) for a model spec."""
+def load_model(spec: str = "smollm2", device: str | torch.device = "cpu", dtype: str = "auto"):
+    """(model, tokenizer) for a model spec, in weight precision `dtype` ("auto", "fp32", "bf16",
+    "int8"; rudder/precision.py)."""
     cfg = tiny_config(spec)
     if cfg is not None:
-        return build_model(cfg, None, device), Tokenizer.byte_level(cfg.vocab_size)
+        return build_model(cfg, None, device, dtype=dtype), Tokenizer.byte_level(cfg.vocab_size)
     from .weights import load_checkpoint
 
     cfg, state_dict, folder = load_checkpoint(spec)
-    return build_model(cfg, state_dict, device), Tokenizer.from_folder(folder)
+    return build_model(cfg, state_dict, device, dtype=dtype), Tokenizer.from_folder(folder)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

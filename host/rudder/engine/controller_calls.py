@@ -42,23 +42,34 @@ class ControllerCalls:
     def __init__(self, threads: int):
         self.threads = threads
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list = []
         self._workers = [threading.Thread(target=self._work, name=f"rudder-controller-{i}", daemon=True)
                          for i in range(threads)]
         for worker in self._workers:
             worker.start()
 
-    def submit(self, calls: list) -> dict[object, Future]:
+    def submit(self, calls: list, hold: bool = False) -> dict[object, Future]:
         """Start calls `(key, controller, branch_idx, backtrack, tokens)`; a Future per key,
-        whose result is (answer, CPU seconds). With no threads the calls run here, now."""
+        whose result is (answer, CPU seconds). With no threads the calls run here, now. `hold`:
+        the workers get them only at `release()` (the engine releases them when its forward
+        pass enters native code)."""
         futures = {}
         for key, *call in calls:
             future: Future = Future()
-            if self.threads:
+            if hold and self.threads:
+                self._held.append((future, call))
+            elif self.threads:
                 self._queue.put((future, call))
             else:
                 future.set_result(run_call(*call))
             futures[key] = future
         return futures
+
+    def release(self) -> None:
+        """Hand the held calls to the workers."""
+        held, self._held = self._held, []
+        for item in held:
+            self._queue.put(item)
 
     def _work(self) -> None:
         try:
@@ -73,5 +84,6 @@ class ControllerCalls:
             future.set_result(run_call(*call))
 
     def close(self) -> None:
+        self.release()
         for _ in self._workers:
             self._queue.put(None)

@@ -5,8 +5,8 @@
   (extraction, JSON, code edits).
 - `DraftModel`: a smaller or faster model with the same vocabulary, with its own paged KV cache
   that follows each sequence (rewound to the common prefix, then fed what it has not seen).
-  `build_draft_model` makes one: an int8 (dynamically quantized) copy of the target, the target's
-  first N layers, or any local checkpoint with the same vocabulary.
+  `build_draft_model` makes one: a copy of the target in a cheaper weight precision ("int8",
+  "bf16"), the target's first N layers, or any local checkpoint with the same vocabulary.
 
 The controller's own fast-forward tokens are the third source; they need no code here.
 """
@@ -14,14 +14,14 @@ The controller's own fast-forward tokens are the third source; they need no code
 from __future__ import annotations
 
 import copy
-import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..packed_linear import unpack_linears
+from ..packed_linear import make_linear, prepare_linears
+from ..precision import activation_dtype
 from .block_manager import BlockManager, KVCacheFull
 from .model_runner import ModelRunner
 from .step import ScheduledSeq
@@ -58,6 +58,7 @@ class DraftModel:
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.bm = BlockManager(num_blocks, block_size)
         self.cached: dict[int, list[int]] = {}  # tokens whose keys/values the draft cache holds
+        self.fed = 0  # the most tokens one sequence fed in the last call (1-2 when it keeps up)
 
     def logits(self, jobs: list[tuple[int, list[int]]]) -> list[torch.Tensor | None]:
         """Next-token logits after each job's tokens (one forward for all); None for a job that
@@ -68,6 +69,7 @@ class DraftModel:
             rows.append(None if entry is None else len(batch))
             if entry is not None:
                 batch.append(entry)
+        self.fed = max((e.num_tokens for e in batch), default=0)
         if not batch:
             return [None] * len(jobs)
         self.runner.copy_blocks(self.bm.take_copies())
@@ -99,69 +101,74 @@ class DraftModel:
             self.bm.free(key)
 
 
-class _QuantizedLM(nn.Module):
-    """A LlamaModel whose Linear layers and (tied) LM head run in int8 (dynamic quantization)."""
-
-    def __init__(self, base):
-        super().__init__()
-        unpack_linears(base)  # quantize_dynamic swaps nn.Linear modules only
-        head = nn.Linear(base.cfg.hidden_size, base.cfg.vocab_size, bias=False)
-        tied = base.embed_tokens if base.lm_head is None else base.lm_head
-        head.weight = nn.Parameter(tied.weight.detach().clone(), requires_grad=False)
-        base.lm_head = None  # the quantized head below replaces it
-        with warnings.catch_warnings():  # torch marks its eager int8 path deprecated; it still runs fastest here
-            warnings.simplefilter("ignore")
-            # In place: `base` owns deep copies of the layers, and shares the embeddings unquantized.
-            self.base = torch.ao.quantization.quantize_dynamic(base, {nn.Linear}, dtype=torch.qint8, inplace=True)
-            self.head = torch.ao.quantization.quantize_dynamic(nn.Sequential(head), {nn.Linear}, dtype=torch.qint8,
-                                                               inplace=True)
-        self.cfg, self.embed_tokens = base.cfg, base.embed_tokens
-
-    def forward(self, *args):
-        return self.base(*args)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
-
-
-def _shared_copy(target, num_layers: int | None = None):
-    """A LlamaModel sharing the target's embeddings, norm and RoPE tables; its layers are deep
-    copies (for quantization), or the target's own first `num_layers` (truncation)."""
+def _truncated(target, num_layers: int):
+    """A LlamaModel made of the target's own first `num_layers` layers, embeddings, norm, head and
+    RoPE tables (nothing copied)."""
     from ..model import LlamaModel
 
-    cfg = target.cfg if num_layers is None else target.cfg.replace(num_layers=num_layers)
     with torch.device("meta"):
-        draft = LlamaModel(cfg)
+        draft = LlamaModel(target.cfg.replace(num_layers=num_layers))
     draft.embed_tokens, draft.norm, draft.lm_head = target.embed_tokens, target.norm, target.lm_head
-    layers = target.layers if num_layers is None else target.layers[:num_layers]
-    draft.layers = copy.deepcopy(layers) if num_layers is None else nn.ModuleList(layers)
+    draft.layers = nn.ModuleList(target.layers[:num_layers])
     draft.rope_cos, draft.rope_sin = target.rope_cos, target.rope_sin
+    draft.precision, draft.act_dtype = target.precision, target.act_dtype
+    return draft.eval().requires_grad_(False)
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module` itself when its weight has `dtype`, else a copy that has it."""
+    if module.weight.dtype == dtype:
+        return module
+    out = copy.deepcopy(module)
+    out.weight.data = out.weight.data.to(dtype)
+    return out
+
+
+def _in_precision(target, precision: str):
+    """A copy of the target in another weight precision (rudder/precision.py): its layers
+    converted from the target's weights, an LM head of its own in that precision; embeddings,
+    final norm and RoPE tables shared when their dtype is the same."""
+    from ..model import LlamaModel, RMSNorm
+
+    device = target.rope_cos.device
+    act = activation_dtype(precision, device)
+    with torch.device("meta"):
+        draft = LlamaModel(target.cfg)
+    draft.rope_cos, draft.rope_sin = target.rope_cos, target.rope_sin
+    draft.embed_tokens, draft.norm = _cast(target.embed_tokens, act), _cast(target.norm, act)
+    draft.layers = copy.deepcopy(target.layers)
+    for module in draft.layers.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.data = module.weight.data.to(act)
+    prepare_linears(draft.layers, precision, convert=True)
+    head = target.lm_head.weight if target.lm_head is not None else target.embed_tokens.weight
+    draft.lm_head = make_linear(head.float(), None, precision, device, head=True)
+    draft.precision, draft.act_dtype = precision, act
     return draft.eval().requires_grad_(False)
 
 
 def build_draft_model(spec, target):
-    """The draft for `spec`: "int8" (the target, dynamically quantized), "layers:N" (the
-    target's first N layers, no copy), a loaded model, or a model spec for `rudder.loading.load_model`
-    (a local checkpoint); its vocabulary must be the target's."""
+    """The draft for `spec`: "int8" or "bf16" (the target in that weight precision), "layers:N"
+    (the target's first N layers, no copy), a loaded model, or a model spec for
+    `rudder.loading.load_model` (a local checkpoint); its vocabulary must be the target's."""
     from ..model import LlamaModel
 
-    if spec == "int8" or (isinstance(spec, str) and spec.startswith("layers:")):
+    if spec in ("int8", "bf16") or (isinstance(spec, str) and spec.startswith("layers:")):
         if not isinstance(target, LlamaModel):
             raise ValueError(f"the draft model {spec!r} is built from the whole target model, which this "
                              f"process does not hold (a pipeline's coordinator holds stage 0 only); give "
                              f"a draft checkpoint of its own, or use speculative='lookup'")
-    if spec == "int8":
-        draft = _QuantizedLM(_shared_copy(target))
+    if spec in ("int8", "bf16"):
+        draft = _in_precision(target, spec)
     elif isinstance(spec, str) and spec.startswith("layers:"):
         n = spec[7:]
         if not n.isdigit() or not 0 < int(n) <= target.cfg.num_layers:
             raise ValueError(f"draft model {spec!r}: N must be in 1..{target.cfg.num_layers}")
-        draft = _shared_copy(target, int(n))
+        draft = _truncated(target, int(n))
     elif isinstance(spec, str):
         from ..loading import load_model
 
-        draft = load_model(spec, target.embed_tokens.weight.device)[0]
+        draft = load_model(spec, target.embed_tokens.weight.device, dtype=getattr(target, "precision", "auto"))[0]
     else:
         draft = spec
     if draft.cfg.vocab_size != target.cfg.vocab_size:

@@ -1,6 +1,7 @@
 """KVCache: the paged key/value tensors of a model (or of a pipeline stage's layers).
 
-`tensor` is `[layer, K|V, block, position in block, kv head, head dim]`; which block holds which
+`tensor` is `[layer, K|V, block, position in block, kv head, head dim]`, in the model's activation
+dtype (`model.act_dtype`: bf16 halves it for a bf16 or int8 model); which block holds which
 position of which sequence is the BlockManager's business (engine/block_manager.py). The one
 operation on the data itself is the copy-on-write of shared blocks, queued by the block manager
 and done here before a forward pass writes anything."""
@@ -25,6 +26,10 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.tensor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block `src` into block `dst`, for every layer, K and V."""

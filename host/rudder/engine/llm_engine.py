@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import kernels
 from ..controller.limits import Limits
 from .block_manager import BlockManager
 from .budget import over_budget
@@ -216,8 +217,12 @@ class Engine:
         """Start the step: controllers in their threads, the forward pass here."""
         self.runner.copy_blocks(self.block_manager.take_copies())
         ready = [e.seq for e in batch if e.sample]
+        # With a native decoder the calls start when the forward pass enters it (kernels.before_decoder)
+        hold = self.runner.capabilities.native_decoder
         calls = self.calls.submit([(s.seq_id, s.cursor.controller, *s.cursor.call()) for s in ready
-                                   if s.cursor is not None and s.cursor.wants_call and s.draft is None])
+                                   if s.cursor is not None and s.cursor.wants_call and s.draft is None], hold=hold)
+        if hold and calls:
+            kernels.before_decoder(self.calls.release)
         # (a drafted sequence's controller answered while drafting)
         early = None
         if self.runner.capabilities.sample_at_launch and not any(
@@ -225,7 +230,11 @@ class Engine:
             early = [(s.params, s.rng) for s in ready]
         t0 = time.perf_counter()
         try:
-            handle = self.runner.run(batch, alone, early)  # the controllers run meanwhile
+            try:
+                handle = self.runner.run(batch, alone, early)  # the controllers run meanwhile
+            finally:
+                if hold and kernels.take_before_decoder() is not None:  # the decoder did not run
+                    self.calls.release()
         except RunnerFailure as e:
             wait_futures(calls.values())
             deltas.extend(self._fail_all(str(e)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model import LlamaModel
+from .. import kernels
+from ..model import LlamaModel, native_stack
 from ..packed_linear import pack_linears
 from .kv_cache import KVCache
 from .runner import Capabilities
@@ -19,11 +20,17 @@ class ModelRunner:
     capabilities = Capabilities(verify_rows=True)
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
-        self.model = pack_linears(model)  # the model runs here: its GEMMs get oneDNN-packed weights
+        # build_model has prepared the linear layers for the model's precision; a model built
+        # some other way gets its GEMMs packed here.
+        self.model = pack_linears(model)
         self.sampler = Sampler(model.cfg.vocab_size)
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
-        self.kv_cache = KVCache(model.cfg, num_blocks, block_size, self.device)
+        self.kv_cache = KVCache(model.cfg, num_blocks, block_size, self.device,
+                                dtype=getattr(model, "act_dtype", torch.float32))  # the activations' precision
+        if (isinstance(model, LlamaModel) and self.kv_cache.dtype == torch.bfloat16 and kernels.available(self.device)
+                and native_stack(model) is not None):
+            self.capabilities = Capabilities(verify_rows=True, native_decoder=True)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv_cache.copy_blocks(copies)
@@ -33,7 +40,9 @@ class ModelRunner:
         """Forward the batch; returns float32 logits [sum of logit_rows of entries with sample=True, vocab]."""
         input_ids, positions, meta, sample_rows = StepArrays.of(batch).tensors(self.block_size, self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_cache.tensor)
-        return self.model.logits(hidden.index_select(0, sample_rows)).float()
+        if sample_rows.shape[0] != hidden.shape[0]:
+            hidden = hidden.index_select(0, sample_rows)
+        return self.model.logits(hidden).float()
 
     def logits(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return logits.index_select(0, torch.tensor(rows, device=logits.device))

@@ -27,6 +27,9 @@ class Capabilities:
     verify_rows: bool = True  # run() honours ScheduledSeq.logit_rows and logits() returns rows (speculation)
     sample_at_launch: bool = False  # run(early=...) can sample an unconstrained step as soon as its logits exist
     shares_cores: bool = False  # run(alone=True) lets a step use every stage's cores (processes on one host)
+    # run() spends the forward pass in one native call that runs kernels.before_decoder's hook
+    # first: the engine starts the step's controller calls there (engine/llm_engine.py)
+    native_decoder: bool = False
 
 
 class Runner(Protocol):

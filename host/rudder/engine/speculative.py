@@ -38,9 +38,27 @@ from .sampler import Sampler, keep_nucleus
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
 NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the estimates' start
-ROW_COST = 0.08  # each verified position adds this fraction of a one-token forward (SmolLM2 on 2 CPU cores)
+# Each verified position adds this fraction of a one-token forward. Measured for SmolLM2 on this
+# host's CPU (1 thread, 5-17 rows): bf16 0.025 (AMX pads up to 16 rows: the weights' bytes set the
+# time), int8 0.14 (vector dot products below 8 rows), fp32 0.01-0.03; the guard catches a wrong guess.
+ROW_COST = 0.03
 PROBE_EVERY = 8  # a sequence that stopped drafting (k = 0) tries one token this often, to notice a change
-NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}
+NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}  # seeded requests' fixed estimates (no wall clock)
+# Until a draft model's step has been measured, its cost is taken as this fraction of the
+# target's measured step (an int8 copy of a bf16 target costs about half): drafting is then
+# tried, measured, and judged, whatever the target's speed.
+UNMEASURED_DRAFT_SHARE = 0.5
+# A draft model's round is timed only when it read at most this many new tokens per sequence: a
+# round that first reads what the draft model missed (the prompt, the steps it sat out) is not
+# the cost of a drafted position.
+CAUGHT_UP_TOKENS = 2
+# The guard (_Adaptive.guard): measured tokens per second of a sequence's drafting steps against
+# its plain steps. A sequence decodes GUARD_SAMPLES plain steps first (the rate to beat, before a
+# draft model pays for reading the prompt). Drafting that runs slower than plain by more than
+# GUARD_MARGIN stops for BACKOFF steps, doubling up to MAX_BACKOFF while it keeps losing; it is
+# judged on GUARD_SAMPLES fresh drafting steps each time it resumes, and a plain step every
+# REFRESH_EVERY drafting steps keeps the plain rate current.
+GUARD_MARGIN, GUARD_SAMPLES, BACKOFF, MAX_BACKOFF, REFRESH_EVERY = 0.02, 3, 8, 256, 32
 
 
 @dataclass
@@ -89,13 +107,35 @@ class Draft:
     done: bool = False
 
 
+class _Rate:
+    """Tokens per second over recent steps: running sums of tokens and seconds."""
+
+    def __init__(self):
+        self.tokens = self.seconds = 0.0
+        self.samples = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = _EMA * self.tokens + tokens
+        self.seconds = _EMA * self.seconds + seconds
+        self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
 class _Adaptive:
-    """Per-sequence running estimates that pick k."""
+    """Per-sequence running estimates that pick k, and the guard that stops drafting when it is
+    measured to lose."""
 
     def __init__(self):
         self.hits, self.tries = 4.0, 5.0  # acceptance rate prior 0.8
         self.ctl_time = 0.0  # seconds per controller call while drafting
         self.idle = 0  # steps since the last draft
+        # the guard: each step's wall time and tokens, by whether it drafted
+        self.rates = {True: _Rate(), False: _Rate()}
+        self.last: tuple | None = None  # (time, length, drafted, first drafting step) at the last propose
+        self.backoff, self.next_backoff, self.since_plain = 0, BACKOFF, 0
 
     @property
     def alpha(self) -> float:
@@ -105,11 +145,12 @@ class _Adaptive:
         self.hits = _EMA * self.hits + accepted
         self.tries = _EMA * self.tries + accepted + rejected
 
-    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True) -> int:
+    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True, probe: int = 1) -> int:
         """The k that maximises expected tokens per second: a draft of k tokens yields
         (1 - a^(k+1)) / (1 - a) tokens for one target forward over k + 1 positions plus k draft
         steps (each with a controller call, whose measured time counts when `timed`). 0 = do not
-        draft this step (then every PROBE_EVERY steps a 1-token probe)."""
+        draft this step (then every PROBE_EVERY steps a probe of `probe` tokens: a draft model's
+        probe drafts 2, since only its second round is timed - see CAUGHT_UP_TOKENS)."""
         a, cost = self.alpha, t_draft + (self.ctl_time if timed else 0.0)
         best, best_rate = 0, 1.0 / t_target
         for k in range(1, k_max + 1):
@@ -119,10 +160,43 @@ class _Adaptive:
         if best == 0:
             self.idle += 1
             if self.idle >= PROBE_EVERY:
-                best = 1
+                best = min(probe, k_max)
         if best:
             self.idle = 0
         return best
+
+    def step(self, now: float, length: int) -> None:
+        """A new step begins: the one that just ended took now - then and added length - then's.
+        The first drafting step after plain ones is not counted: a draft model then also reads
+        what it missed (the prompt, the steps it sat out), a cost that drafting on amortises."""
+        if self.last is not None:
+            then, before, drafted, first = self.last
+            if not (drafted and first):
+                self.rates[drafted].add(max(length - before, 0), now - then)
+
+    def guard(self, k: int, plain_first: bool) -> int:
+        """k, or 0 when this sequence's drafting steps have been measured slower than its plain ones
+        (then it backs off: BACKOFF steps, doubling while drafting keeps losing). `plain_first`:
+        measure plain steps before the first draft (a draft model's first draft reads the whole
+        prompt; prompt lookup costs nothing to try)."""
+        spec, plain = self.rates[True], self.rates[False]
+        if k == 0 or self.backoff > 0:
+            self.backoff = max(self.backoff - 1, 0)
+            if self.backoff == 0 and k:
+                self.rates[True] = _Rate()  # resuming: judge drafting on fresh steps
+            return 0
+        if (plain_first and plain.samples < GUARD_SAMPLES) or self.since_plain >= REFRESH_EVERY:
+            return 0  # plain steps first, and one now and then: the rate to beat
+        if spec.samples >= GUARD_SAMPLES and plain.samples and spec.value < plain.value * (1 - GUARD_MARGIN):
+            self.backoff, self.next_backoff = self.next_backoff, min(2 * self.next_backoff, MAX_BACKOFF)
+            return 0
+        if spec.samples >= GUARD_SAMPLES and plain.samples and spec.value >= plain.value:
+            self.next_backoff = BACKOFF  # drafting pays: a later loss backs off briefly again
+        return k
+
+    def began(self, now: float, length: int, drafted: bool) -> None:
+        self.last = (now, length, drafted, drafted and self.since_plain == 0)
+        self.since_plain = self.since_plain + 1 if drafted else 0
 
 
 def _probs(row: torch.Tensor, params) -> torch.Tensor:
@@ -151,7 +225,8 @@ class Speculator:
         self._draft_model: DraftModel | None = None
         self.adaptive: dict[int, _Adaptive] = {}  # by seq_id
         self.t_target = NOMINAL_T_TARGET  # seconds per verification forward, running estimate
-        self.t_draft = dict(NOMINAL_T_DRAFT)  # seconds per drafted position, per source
+        # seconds per drafted position, per source (None: the draft model not measured yet)
+        self.t_draft: dict[str, float | None] = {"lookup": NOMINAL_T_DRAFT["lookup"], "draft": None}
 
     @property
     def draft_model(self) -> DraftModel:
@@ -174,9 +249,14 @@ class Speculator:
         takes; `busy`: sequences in a step in flight, left alone)."""
         eng = self.engine
         running = [s for s in eng.scheduler.running if s.seq_id not in busy][:limit]
+        now = time.perf_counter()
+        for seq in running:  # the guard's clock: every speculative sequence's last step
+            if seq.params.speculative and seq.params.seed is None:
+                self.adaptive.setdefault(seq.seq_id, _Adaptive()).step(now, len(seq))
         candidates = [s for s in running if s.params.speculative and s.num_pending == 1 and s.num_cached > 0
                       and (s.cursor is None or s.cursor.wants_call) and s.draft is None]
         if not candidates:
+            self._began(running, set(), now)
             return
         # Room for the drafts in this step's token budget and in the free KV blocks, so that the
         # scheduler takes every drafted sequence whole (no preemption, no partial feed).
@@ -194,7 +274,11 @@ class Speculator:
                 continue
             ad = self.adaptive.setdefault(seq.seq_id, _Adaptive())
             if p.seed is None:
-                k = ad.choose_k(p.spec_k, self.t_target, self.t_draft[p.speculative])
+                t_draft = self.t_draft[p.speculative]
+                if t_draft is None:
+                    t_draft = UNMEASURED_DRAFT_SHARE * self.t_target
+                k = ad.guard(ad.choose_k(p.spec_k, self.t_target, t_draft, probe=2 if p.speculative == "draft" else 1),
+                             plain_first=p.speculative == "draft")
             else:  # a seeded request repeats only if its drafts do: no wall-clock input to k
                 k = ad.choose_k(p.spec_k, NOMINAL_T_TARGET, NOMINAL_T_DRAFT[p.speculative], timed=False)
             if k == 0:
@@ -204,6 +288,19 @@ class Speculator:
             free -= bm.blocks_needed(seq.seq_id, 1 + d.room) - bm.blocks_needed(seq.seq_id, 1)
         if drafts:
             self._draft(drafts)
+        self._began(running, set(candidates), now)
+
+    def _began(self, running: list, candidates: set, now: float) -> None:
+        """The guard's clock: a decoding step (drafted or plain) of each candidate begins; other
+        steps (a prefill, a re-feed) are not timed."""
+        for seq in running:
+            ad = self.adaptive.get(seq.seq_id)
+            if ad is None or not seq.params.speculative or seq.params.seed is not None:
+                continue
+            if seq in candidates:
+                ad.began(now, len(seq) - (len(seq.draft.tokens) if seq.draft else 0), seq.draft is not None)
+            else:
+                ad.last = None
 
     def _draft(self, drafts: dict) -> None:
         # The first call reports what the normal step would (the pending token, a backtrack...).
@@ -213,12 +310,15 @@ class Speculator:
             tasks = self._start_calls(tell)
             by_source = {"draft": [], "lookup": []}
             for seq, d in drafts.items():
-                if not d.done:
+                # (a draft that has its k proposals needs only the controller's last answer, not
+                # the draft model's next logits: one forward fewer per drafting step)
+                if not d.done and sum(not st.forced for st in d.steps) < d.k:
                     by_source[seq.params.speculative].append(seq)
-            model_rows = {}
+            model_rows, caught_up = {}, True
             if by_source["draft"]:  # the draft model computes while the controllers run
                 jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
                 model_rows = dict(zip(by_source["draft"], self.draft_model.logits(jobs)))
+                caught_up = self.draft_model.fed <= CAUGHT_UP_TOKENS
             for seq, future in tasks.items():
                 answer, seconds = future.result()
                 d = drafts[seq]
@@ -242,8 +342,10 @@ class Speculator:
             if active:
                 n = sum(1 for s in active if not drafts[s].done)
                 for source in ("draft", "lookup"):
-                    if by_source[source] and n:
-                        self.t_draft[source] = _EMA * self.t_draft[source] + (1 - _EMA) * (time.perf_counter() - t0)
+                    # a round in which the draft model also read what it missed is not counted
+                    if by_source[source] and n and (caught_up or source == "lookup"):
+                        took, before = time.perf_counter() - t0, self.t_draft[source]
+                        self.t_draft[source] = took if before is None else _EMA * before + (1 - _EMA) * took
             if not any(not d.done for d in drafts.values()):
                 break
         for seq, d in drafts.items():

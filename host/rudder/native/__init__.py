@@ -1,10 +1,13 @@
-"""Native code for the per-token path - the mask kernel and the sandbox's epoch ticker -
-compiled once per machine with zig cc (the `ziglang` package, which also builds controllers)
-and called through cffi.
+"""Native code for the per-token path - the mask kernel, the sandbox's epoch ticker and the
+model's kernels - compiled once per machine with zig cc (the `ziglang` package, which also
+builds controllers) and called through cffi.
 
 `mask_kernel()` returns the kernel, or None when it cannot be built (no zig, an odd platform;
 the reason is in `unavailable_reason`): callers then use their numpy path. `deadline.c` is the
 sandbox's CPU-time deadline (controller/instance.py); without it deadlines are wall-clock.
+`model_kernels()` gives the model's kernels (attention.c, linear.c, norm.c, decoder.c; model.py and
+packed_linear.py call them through `rudder.kernels`), with helper threads of their own that the
+caller never waits for unless they took work (parallel.c), or None.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from pathlib import Path
 
 import cffi
 
-SOURCES = [Path(__file__).with_name(name) for name in ("mask.c", "ticker.c", "deadline.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("mask.c", "ticker.c", "deadline.c", "parallel.c", "attention.c", "linear.c", "norm.c", "decoder.c")]
+HEADERS = [Path(__file__).with_name("kernels.h")]
 _CDEF = """
 void rudder_apply_mask(float *logits, const uint32_t *words, size_t n_tokens);
 typedef struct rudder_ticker rudder_ticker;
@@ -35,10 +40,37 @@ void *rudder_guarded_call(rudder_deadline *d, void *context, const void *func, v
 void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall_budget_ns);
 int64_t rudder_deadline_left_ns(const rudder_deadline *d);
 void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8_t *kind);
+typedef struct rudder_attn_step {
+    int64_t tokens; const int64_t *positions; const int64_t *slots; const int64_t *seq_of; const int64_t *tables;
+    int64_t width, block_size; const float *cos, *sin; int64_t heads, kv_heads, head_dim;
+    int32_t x_bf16, cache_bf16, threads; float scale;
+} rudder_attn_step;
+"""
+# The model's kernels take tensors' data pointers as integers: uintptr_t is passed exactly like
+# a pointer on every ABI we build for, and cffi converts a Python int to it without a cast
+# object per argument (these are called ~200 times per decode step).
+_CDEF_MODEL = """
+int rudder_linear_init(void);
+int rudder_attention(const rudder_attn_step *s, uintptr_t qkv, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out);
+void rudder_linear_bf16(uintptr_t x, int64_t m, int64_t k, uintptr_t w, uintptr_t bias, int64_t n, uintptr_t out,
+                        int32_t out_bf16, int32_t op, int32_t threads);
+void rudder_linear_i8(uintptr_t x, int32_t x_bf16, int64_t m, int64_t k, uintptr_t w, uintptr_t wscale, uintptr_t wsum,
+                      uintptr_t bias, int64_t n, uintptr_t out, int32_t out_bf16, int32_t op, int32_t threads);
+typedef struct rudder_dense {
+    uintptr_t w, scale, sum, bias; int64_t n; int32_t int8;
+} rudder_dense;
+typedef struct rudder_layer {
+    uintptr_t norm1, norm2; rudder_dense qkv, o, gate_up, down;
+} rudder_layer;
+int rudder_decoder(const rudder_layer *layers, int64_t n_layers, const rudder_attn_step *step, uintptr_t x,
+                   int64_t hidden, float eps, uintptr_t kv, int64_t layer_stride, int32_t threads);
+void rudder_rms_norm(uintptr_t x, int32_t x_bf16, uintptr_t weight, int32_t w_bf16, uintptr_t out, int32_t out_bf16,
+                     int64_t m, int64_t k, float eps);
 """
 
 ffi = cffi.FFI()
 ffi.cdef(_CDEF)
+ffi.cdef(_CDEF_MODEL)
 unavailable_reason: str | None = None
 
 
@@ -55,7 +87,7 @@ def _cpu_fingerprint() -> str:
 def _build() -> Path:
     from ..paths import native_dir, zig_cache_dir
 
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + _cpu_fingerprint().encode()).hexdigest()[:16]
     suffix = ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
     out = native_dir() / f"rudder-native-{key}{suffix}"
@@ -86,6 +118,17 @@ def library():
     except Exception as e:  # any failure: the pure-Python paths still work
         unavailable_reason = f"native library unavailable: {e}"
         return None
+
+
+@functools.cache
+def model_kernels():
+    """The native library, set up for the model's kernels, or None."""
+    lib = library()
+    if lib is None:
+        return None
+    if not os.environ.get("RUDDER_NO_AMX"):
+        lib.rudder_linear_init()  # AMX tiles, where the CPU and the OS offer them
+    return lib
 
 
 def mask_kernel():

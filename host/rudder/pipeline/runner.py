@@ -65,8 +65,10 @@ class PipelineRunner:
         self.last = self.num_stages - 1
         self.vocab_size = cfg.vocab_size
         self.num_words = mask_words(cfg.vocab_size)
-        self.kv_cache = KVCache(cfg, num_blocks, block_size, model.rope_cos.device, num_layers=model.stage.num_layers)
+        self.kv_cache = KVCache(cfg, num_blocks, block_size, model.rope_cos.device, num_layers=model.stage.num_layers,
+                                dtype=model.act_dtype)  # the activations' precision, as in ModelRunner
         self.children = children or []
+        self.stage_precisions = [model.precision]  # every local stage's, once they have started
         self._copies: list[tuple[int, int]] = []
         self._open: deque[_Step] = deque()  # steps with rows: a spec still to send or tokens to take
         self.busy_s = 0.0  # time rank 0 spent computing stage 0 (for the bubble measurement)
@@ -323,9 +325,10 @@ def _close_ref(ref) -> None:
 
 def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, block_size: int,
                    device: str = "cpu", threads: int | None = None, timeout: float = 60.0,
-                   startup_timeout: float = 300.0):
+                   startup_timeout: float = 300.0, dtype: str = "auto"):
     """Load stage 0 here and return `(stage-0 model, factory)`; `factory(num_blocks, block_size)`
-    starts the other stages and returns the PipelineRunner.
+    starts the other stages and returns the PipelineRunner. Every stage holds its layers in the
+    weight precision stage 0 resolved `dtype` to (rudder/precision.py).
 
     Launched by torchrun (RANK/WORLD_SIZE/MASTER_ADDR set), ranks > 0 serve their stage right
     here and then exit the process; only rank 0 returns."""
@@ -334,13 +337,13 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
     world = len(plan)
     env = torchrun_env()
     if env is not None:
-        return _join_torchrun(spec, stages, plan, env, kv_cache_tokens, block_size, device, timeout)
+        return _join_torchrun(spec, stages, plan, env, kv_cache_tokens, block_size, device, timeout, dtype)
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     threads_before = torch.get_num_threads()
     dev = rank_device(device, 0)
     for rank in range(1, world):
         rank_device(device, rank)  # every local stage has its GPU (fail here, not in a child)
-    model = build_stage_model(spec, plan[0], dev)
+    model = build_stage_model(spec, plan[0], dev, dtype=dtype)
 
     def factory(num_blocks: int, bs: int) -> PipelineRunner:
         from torch.distributed import TCPStore
@@ -353,7 +356,7 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
             for rank in range(1, world):
                 config = {"model": spec, "stages": stages, "rank": rank, "world": world, "host": host,
                           "port": store.port, "num_blocks": num_blocks, "block_size": bs, "threads": threads,
-                          "timeout": timeout, "device": device}
+                          "timeout": timeout, "device": device, "dtype": model.precision}
                 children.append(subprocess.Popen([sys.executable, "-m", "rudder.pipeline", json.dumps(config)],
                                                  stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + startup_timeout
@@ -364,6 +367,9 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
                 if time.monotonic() > deadline:
                     raise PipelineError(f"pipeline stages did not start within {startup_timeout:g} s")
                 time.sleep(0.05)
+            precisions = [model.precision, *(store.get(f"ready/{r}").decode() for r in range(1, world))]
+            if len(set(precisions)) != 1:
+                raise PipelineError(f"pipeline stages hold different weight precisions: {precisions}")
             link = connect(store, 0, world, timeout, dev, host)
         except BaseException:
             for child in children:
@@ -372,12 +378,14 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
             raise
         torch.set_num_threads(threads)
         # The local stages share this machine's cores.
-        return PipelineRunner(model, num_blocks, bs, link, children, threads_before, threads, threads * world, store)
+        runner = PipelineRunner(model, num_blocks, bs, link, children, threads_before, threads, threads * world, store)
+        runner.stage_precisions = precisions
+        return runner
 
     return model, factory
 
 
-def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, block_size, device, timeout):
+def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, block_size, device, timeout, dtype):
     import torch.distributed as dist
 
     rank, world = env
@@ -389,13 +397,13 @@ def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, bl
     if rank != 0:
         try:
             serve_stage(spec, stages, rank, world, num_blocks, block_size, store, timeout=timeout, device=device,
-                        local_rank=local_rank)
+                        local_rank=local_rank, dtype=dtype)
         except LinkError as e:
             print(f"rudder pipeline stage {rank}: {e}; exiting", file=sys.stderr)
             raise SystemExit(1)
         raise SystemExit(0)
     dev = rank_device(device, local_rank)
-    model = build_stage_model(spec, plan[0], dev)
+    model = build_stage_model(spec, plan[0], dev, dtype=dtype)
 
     def factory(nb: int, bs: int) -> PipelineRunner:
         return PipelineRunner(model, nb, bs, connect(store, 0, world, timeout, dev))

@@ -43,7 +43,8 @@ class Stage:
         self.model, self.link, self.block_size = model, link, block_size
         self.rank, self.last = model.stage.index, model.stage.is_last
         self.device = model.rope_cos.device
-        self.kv_cache = KVCache(cfg, num_blocks, block_size, self.device, num_layers=model.stage.num_layers)
+        self.kv_cache = KVCache(cfg, num_blocks, block_size, self.device, num_layers=model.stage.num_layers,
+                                dtype=model.act_dtype)
         self.sampler = Sampler(cfg.vocab_size) if self.last else None
         self.num_words = mask_words(cfg.vocab_size)
 
@@ -133,15 +134,16 @@ def _watch_parent() -> None:
 
 def serve_stage(spec: str, stages, rank: int, world: int, num_blocks: int, block_size: int, store, *,
                 timeout: float, host: str | None = None, device: str = "cpu", local_rank: int | None = None,
-                ready_key: str | None = None) -> None:
-    """Build this rank's stage, join the group and serve steps until told to stop."""
+                ready_key: str | None = None, dtype: str = "auto") -> None:
+    """Build this rank's stage (weight precision `dtype`), join the group and serve steps until
+    told to stop."""
     plan = partition(_num_layers(spec), stages)
     if len(plan) != world:
         raise ValueError(f"{len(plan)} pipeline stages but {world} ranks")
     dev = rank_device(device, rank if local_rank is None else local_rank)
-    model = build_stage_model(spec, plan[rank], dev)
+    model = build_stage_model(spec, plan[rank], dev, dtype=dtype)
     if ready_key:
-        store.set(ready_key, "1")
+        store.set(ready_key, model.precision)  # the coordinator checks every stage holds its precision
     link = connect(store, rank, world, timeout, dev, host)
     Stage(model, num_blocks, block_size, link).serve(store)
 
@@ -162,7 +164,8 @@ def main(argv: list[str]) -> int:
         store = TCPStore(cfg["host"], cfg["port"], cfg["world"], is_master=False,
                          timeout=__import__("datetime").timedelta(seconds=cfg["timeout"]))
         serve_stage(cfg["model"], cfg["stages"], rank, cfg["world"], cfg["num_blocks"], cfg["block_size"], store,
-                    timeout=cfg["timeout"], host=cfg["host"], device=cfg["device"], ready_key=f"ready/{rank}")
+                    timeout=cfg["timeout"], host=cfg["host"], device=cfg["device"], ready_key=f"ready/{rank}",
+                    dtype=cfg["dtype"])
     except LinkError as e:
         print(f"rudder pipeline stage {rank}: {e}; exiting", file=sys.stderr)
         return 1

@@ -1,6 +1,8 @@
 """A pipeline stage's share of the decoder: a contiguous run of layers, plus the embeddings on
 the first stage and the final norm and LM head on the last (which also needs the embeddings when
-they are tied to the head). Same arithmetic as `LlamaModel`, so results match it bit for bit."""
+they are tied to the head). Same arithmetic as `LlamaModel`, in the same precision, so results match
+it bit for bit. Activations cross between stages in fp32 (what the transport carries), which holds a
+bf16 activation exactly."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..loading import tiny_config
-from ..packed_linear import pack_linears
-from ..model import AttentionMetadata, DecoderLayer, RMSNorm, build_model, fuse_projections, rope_tables
+from ..model import (AttentionMetadata, DecoderLayer, RMSNorm, fuse_projections, random_weights, rope_tables,
+                     run_layers, set_precision)
+from ..precision import resolve
 from .partition import StageSpec
 
 
@@ -28,23 +31,25 @@ class StageModel(nn.Module):
                         if stage.is_last and not cfg.tie_word_embeddings else None)
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.precision, self.act_dtype = "fp32", torch.float32  # set_precision changes them
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
-        """x: token ids [T] on the first stage, else the previous stage's hidden states [T, hidden].
-        kv_cache holds this stage's layers only. Returns hidden states (normalised on the last)."""
-        if self.stage.is_first:
-            x = self.embed_tokens(x)
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
-        return self.norm(x) if self.stage.is_last else x
+        """x: token ids [T] on the first stage, else the previous stage's hidden states [T, hidden]
+        (fp32). kv_cache holds this stage's layers only. Returns hidden states: normalised on the
+        last stage, in fp32 on the others (for the next stage)."""
+        # A copy either way: the layers update the residual stream in place.
+        x = self.embed_tokens(x) if self.stage.is_first else x.to(self.act_dtype, copy=True)
+        x = run_layers(self, x, positions, meta, kv_cache)
+        return self.norm(x) if self.stage.is_last else x.float()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        """fp32 logits [rows, vocab] of normalised hidden states."""
+        if self.lm_head is None:
+            return F.linear(hidden.to(self.embed_tokens.weight.dtype), self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
 
 def stage_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dict[str, torch.Tensor]:
@@ -60,12 +65,14 @@ def stage_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, stag
     return fuse_projections(out, cfg.replace(num_layers=stage.num_layers))
 
 
-def build_stage_model(spec: str, stage: StageSpec, device: str | torch.device = "cpu") -> StageModel:
+def build_stage_model(spec: str, stage: StageSpec, device: str | torch.device = "cpu",
+                      dtype: str = "auto") -> StageModel:
     """The stage of model `spec` ("tiny", "smollm2", a folder or a .gguf), loaded from the same
-    checkpoint every stage reads (memory-mapped: a stage touches only its own tensors)."""
+    checkpoint every stage reads (memory-mapped: a stage touches only its own tensors), in
+    precision `dtype` (the default matches `rudder.loading.load_model`'s)."""
     cfg = tiny_config(spec)
     if cfg is not None:
-        full = build_model(cfg, None, "cpu").state_dict()
+        full = random_weights(cfg)
     else:
         from ..weights import load_checkpoint
 
@@ -81,4 +88,4 @@ def build_stage_model(spec: str, stage: StageSpec, device: str | torch.device = 
         raise ValueError(f"checkpoint lacks {len(missing)} tensors of stage {stage.index}, e.g. {sorted(missing)[:3]}")
     model.load_state_dict({k: weights[k].to(device=device, dtype=torch.float32) for k in expected}, strict=True,
                           assign=True)
-    return pack_linears(model.eval().requires_grad_(False))
+    return set_precision(model.eval().requires_grad_(False), resolve(dtype, device))

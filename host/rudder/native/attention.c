@@ -1,0 +1,203 @@
+/* Attention of a few new tokens per sequence over the paged KV cache, in one call per layer.
+ *
+ * What the torch path of model.py does in ~20 ops per layer (RoPE on q and k, two index_copy_
+ * into the cache, gathering every sequence's whole context through its block table, a padded
+ * SDPA, regrouping the rows) is done here in two passes that read the cache in place:
+ *   1. every new token's k (rotated) and v go into its KV slot, converted to the cache's type;
+ *   2. every (token, KV head) pair: the rotated, scaled queries of the heads that share that KV
+ *      head attend over positions 0..position of their sequence, read through the block table
+ *      in tiles of 16 keys with an online softmax (running max and sum, rescaled per tile).
+ *      A tile's 16 dot products are summed lane-wise and then reduced together (a transpose
+ *      tree), so the scores come out as one vector and exp runs 16 lanes wide.
+ * Each query's arithmetic depends only on its own sequence's cache and position - never on the
+ * batch or on how the pairs are split over threads - so a token decoded alone and the same
+ * token verified among drafted ones get the same result. RoPE uses the same operations in the
+ * same order as model.apply_rope (no fused multiply-add), so keys written here and keys written
+ * by a prefill through torch are bit for bit the same.
+ *
+ * Shapes: head_dim 16, 64 or 128 and up to 8 query heads per KV head have code with their sizes
+ * fixed at compile time (accumulators in registers); other head_dims that are multiples of 16
+ * take a generic loop with the same arithmetic. Element types: activations (qkv, out) and cache
+ * each fp32 or bf16; arithmetic in fp32; keys and values are stored at the activations'
+ * precision (a bf16 model's fp32 cache holds bf16 values, as a bf16 cache would).
+ */
+#include "kernels.h"
+
+typedef struct {
+    const rudder_attn_step *s;
+    const void *qkv;
+    void *k_cache, *v_cache, *out;
+} attn_call;
+
+#define TILE 16
+#define MAX_D 256
+#define MAX_REP 16
+
+/* x (rotate-half RoPE at one position) into dst, fp32: dst[i] = x[i]*c[i] + rot[i]*s[i]. */
+static void rope(float *dst, const void *x, int bf16, int64_t at, const float *c, const float *s, int64_t d) {
+#pragma clang fp contract(off)
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = load1(x, bf16, at + i), b = load1(x, bf16, at + half + i);
+        dst[i] = a * c[i] + (-b) * s[i];
+        dst[half + i] = b * c[half + i] + a * s[half + i];
+    }
+}
+
+static void write_kv(void *p, int64_t t) {
+    const attn_call *call = (const attn_call *)p;
+    const rudder_attn_step *s = call->s;
+    int64_t d = s->head_dim, h = s->heads, kvh = s->kv_heads, row = (h + 2 * kvh) * d;
+    int64_t pos = s->positions[t], slot = s->slots[t];
+    float k[MAX_D];
+    for (int64_t g = 0; g < kvh; g++) {
+        rope(k, call->qkv, s->x_bf16, t * row + (h + g) * d, s->cos + pos * d, s->sin + pos * d, d);
+        int64_t dst = (slot * kvh + g) * d, src = t * row + (h + kvh + g) * d;
+        for (int64_t i = 0; i < d; i += 16) {
+            /* keys are kept at the activations' precision whatever the cache's type */
+            v16f kv = s->x_bf16 ? round16_bf16(load16_f32(k + i)) : load16_f32(k + i);
+            store16(call->k_cache, s->cache_bf16, dst + i, kv);
+            store16(call->v_cache, s->cache_bf16, dst + i, load16(call->qkv, s->x_bf16, src + i));
+        }
+    }
+}
+
+/* exp(x) for the softmax (x <= 0), 16 lanes: Cody-Waite reduction and a degree-6 polynomial,
+ * ~2e-7 relative error. */
+static inline v16f exp16_neg(v16f x) {
+    x = __builtin_elementwise_max(x, (v16f){0} - 87.0f);
+    v16f n = __builtin_elementwise_floor(x * 1.44269504088896341f + 0.5f);
+    v16f r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    v16f p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+static inline float hmax16(v16f v) {
+    float s[16];
+    memcpy(s, &v, sizeof s);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++)
+            s[i] = s[i] > s[i + w] ? s[i] : s[i + w];
+    return s[0];
+}
+
+/* 16 lane-wise partial dot products (one per key) -> one vector of their 16 sums (key j in
+ * lane j), in a fixed order of additions. */
+static inline v16f reduce16(const v16f p[16]) {
+    v16f a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* One (token, KV head): D and REP are compile-time constants in the specialised copies below
+ * (the accumulators then live in registers), runtime values in the generic one. */
+#define ATTEND_BODY(D, REP)                                                                        \
+    const attn_call *call = (const attn_call *)p;                                                  \
+    const rudder_attn_step *s = call->s;                                                           \
+    int64_t h = s->heads, kvh = s->kv_heads, row = (h + 2 * kvh) * (D);                            \
+    int64_t t = item / kvh, g = item % kvh, bs = s->block_size;                                    \
+    int64_t pos = s->positions[t], ctx = pos + 1;                                                  \
+    const int64_t *table = s->tables + s->seq_of[t] * s->width;                                    \
+    int cb = s->cache_bf16;                                                                        \
+    v16f q[REP][(D) / 16], acc[REP][(D) / 16];                                                     \
+    float m[REP], l[REP];                                                                          \
+    for (int r = 0; r < (REP); r++) {                                                              \
+        float qf[MAX_D];                                                                           \
+        rope(qf, call->qkv, s->x_bf16, t * row + (g * (REP) + r) * (D), s->cos + pos * (D),        \
+             s->sin + pos * (D), (D));                                                             \
+        for (int c = 0; c < (D) / 16; c++) {                                                       \
+            q[r][c] = load16_f32(qf + 16 * c) * s->scale;                                          \
+            acc[r][c] = (v16f){0};                                                                 \
+        }                                                                                          \
+        m[r] = -1e30f;                                                                             \
+        l[r] = 0.0f;                                                                               \
+    }                                                                                              \
+    for (int64_t p0 = 0; p0 < ctx; p0 += TILE) {                                                   \
+        int n = ctx - p0 < TILE ? (int)(ctx - p0) : TILE;                                          \
+        int64_t at[TILE];                                                                          \
+        for (int j = 0; j < TILE; j++) {                                                           \
+            int64_t kp = p0 + (j < n ? j : n - 1); /* past the end: repeat the last key */         \
+            at[j] = ((table[kp / bs] * bs + kp % bs) * kvh + g) * (D);                             \
+        }                                                                                          \
+        v16f sc[REP];                                                                              \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            v16f part[TILE];                                                                       \
+            for (int j = 0; j < TILE; j++) {                                                       \
+                v16f a = (v16f){0};                                                                \
+                for (int c = 0; c < (D) / 16; c++)                                                 \
+                    a += q[r][c] * load16(call->k_cache, cb, at[j] + 16 * c);                      \
+                part[j] = a;                                                                       \
+            }                                                                                      \
+            sc[r] = reduce16(part);                                                                \
+        }                                                                                          \
+        v16f valid = (v16f){0};                                                                    \
+        for (int j = 0; j < TILE; j++)                                                             \
+            valid[j] = j < n ? 0.0f : -1e30f;                                                      \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            v16f x = sc[r] + valid;                                                                \
+            float top = hmax16(x);                                                                 \
+            top = top > m[r] ? top : m[r];                                                         \
+            float corr = exp16_neg((v16f){0} + (m[r] - top))[0];                                   \
+            sc[r] = exp16_neg(x - top);                                                            \
+            l[r] = l[r] * corr + hsum16(sc[r]);                                                    \
+            m[r] = top;                                                                            \
+            for (int c = 0; c < (D) / 16; c++)                                                     \
+                acc[r][c] *= corr;                                                                 \
+        }                                                                                          \
+        for (int j = 0; j < n; j++)                                                                \
+            for (int c = 0; c < (D) / 16; c++) {                                                   \
+                v16f vv = load16(call->v_cache, cb, at[j] + 16 * c);                               \
+                for (int r = 0; r < (REP); r++)                                                    \
+                    acc[r][c] += sc[r][j] * vv;                                                    \
+            }                                                                                      \
+    }                                                                                              \
+    for (int r = 0; r < (REP); r++)                                                                \
+        for (int c = 0; c < (D) / 16; c++)                                                         \
+            store16(call->out, s->x_bf16, t * h * (D) + (g * (REP) + r) * (D) + 16 * c,              \
+                    acc[r][c] * (1.0f / l[r]));
+
+#define ATTEND(D, REP)                                                                             \
+    static void attend_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP) }
+ATTEND(16, 1) ATTEND(16, 2) ATTEND(16, 3) ATTEND(16, 4)
+ATTEND(64, 1) ATTEND(64, 2) ATTEND(64, 3) ATTEND(64, 4) ATTEND(64, 5) ATTEND(64, 6) ATTEND(64, 7) ATTEND(64, 8)
+ATTEND(128, 1) ATTEND(128, 2) ATTEND(128, 3) ATTEND(128, 4) ATTEND(128, 5) ATTEND(128, 6) ATTEND(128, 7) ATTEND(128, 8)
+
+/* Any head_dim that is a multiple of 16 (up to MAX_D) and up to MAX_REP heads per KV head. */
+static void attend_any(void *p, int64_t item) {
+    const rudder_attn_step *shape = ((const attn_call *)p)->s;
+    int64_t d = shape->head_dim, rep = shape->heads / shape->kv_heads;
+    ATTEND_BODY(d, rep)
+}
+
+static rudder_chunk_fn pick(int64_t d, int64_t rep) {
+#define CASE(D, REP) if (d == D && rep == REP) return attend_##D##_##REP;
+    CASE(16, 1) CASE(16, 2) CASE(16, 3) CASE(16, 4)
+    CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 5) CASE(64, 6) CASE(64, 7) CASE(64, 8)
+    CASE(128, 1) CASE(128, 2) CASE(128, 3) CASE(128, 4) CASE(128, 5) CASE(128, 6) CASE(128, 7) CASE(128, 8)
+#undef CASE
+    return attend_any;
+}
+
+/* 0 on success; -1 for a shape the kernel does not take (the caller checks first). */
+int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, void *v_cache, void *out) {
+    int64_t d = s->head_dim, rep = s->kv_heads > 0 ? s->heads / s->kv_heads : 0;
+    if (d % 16 != 0 || d > MAX_D || rep < 1 || rep > MAX_REP || rep * s->kv_heads != s->heads)
+        return -1;
+    attn_call call = {s, qkv, k_cache, v_cache, out};
+    rudder_parallel_for(write_kv, &call, s->tokens, s->tokens >= 16 ? s->threads : 1);
+    rudder_parallel_for(pick(d, rep), &call, s->tokens * s->kv_heads, s->threads);
+    return 0;
+}
