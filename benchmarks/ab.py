@@ -9,6 +9,14 @@ numeric value of the JSON they write (or those matching `--keys`, shell-style pa
 dotted paths): the median of each side, the median of the paired ratios new/base, and a
 bootstrap 95 % interval of that median. This machine is shared and noisy: a difference counts
 when its interval excludes 1.0.
+
+When the base checkout's script is older and takes other flags, `--base-args '...'` gives the
+base side its own arguments, and `--base-map OLD=NEW` renames its JSON paths (a substring
+replacement, e.g. `'.rudder.=.rudder fp32.'`) so that the same values are compared:
+
+    .venv/bin/python benchmarks/ab.py --base ../before --base-args '--batches 1 16 --no-transformers' \
+        --base-map '.rudder.=.rudder fp32.' --keys '*.rudder fp32.*' \
+        -- decode.py --batches 1 16 --dtypes fp32 --peer none --no-transformers --no-agreement
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -63,15 +72,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=6, help="pairs of runs (ABBA order)")
     ap.add_argument("--keys", default="*", help="comma-separated patterns over the JSON's dotted paths")
     ap.add_argument("--json", type=Path, help="also write the comparison here")
+    ap.add_argument("--base-args", help="the base side's own arguments (one shell-quoted string)")
+    ap.add_argument("--base-map", action="append", default=[], help="OLD=NEW: rename the base side's JSON paths")
     ap.add_argument("script", help="a script of benchmarks/, then -- and its arguments")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     sides = {"base": args.base.resolve(), "new": HERE}
     runs: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
+    side_args = {"base": shlex.split(args.base_args) if args.base_args is not None else args.args, "new": args.args}
+    renames = [m.split("=", 1) for m in args.base_map]
     for i in range(args.rounds):
         order = ("base", "new") if i % 2 == 0 else ("new", "base")
         for side in order:
-            runs[side].append(run_once(sides[side], args.script, args.args))
+            values = run_once(sides[side], args.script, side_args[side])
+            if side == "base":
+                for old, new in renames:
+                    values = {k.replace(old, new): v for k, v in values.items()}
+            runs[side].append(values)
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
     keys = sorted(k for k in runs["new"][0] if k in runs["base"][0] and any(fnmatch.fnmatch(k, p) for p in args.keys.split(",")))
     rng = np.random.default_rng(0)

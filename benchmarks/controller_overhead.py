@@ -335,6 +335,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, help="torch threads for --e2e (default: torch's)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--languages", action="store_true", help="only the C / Python / JavaScript rows")
+    ap.add_argument("--no-languages", action="store_true", help="skip the C / Python / JavaScript rows")
     args = ap.parse_args(argv)
 
     vocab_49k = Tokenizer.byte_level(vocab_size=49152)
@@ -368,8 +369,9 @@ def main(argv=None) -> dict:
         results["e2e"] = measure_e2e(dtypes=[d for d in args.e2e_dtypes.split(",") if d])
     print_table(results)  # before the languages rows, which take minutes and may fail on their own
     sys.stdout.flush()
-    results["languages"] = measure_languages(start_tok, min(args.calls, 5000))
-    print_languages(results["languages"])
+    if not args.no_languages:
+        results["languages"] = measure_languages(start_tok, min(args.calls, 5000))
+        print_languages(results["languages"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -125,6 +125,34 @@ def test_start_refusal_is_kind_start_with_the_reason(rt):
     assert 'the argument must be a number, not "many"' in str(e.value)
 
 
+# Components made by hand (component text format): each imports something the host does not give.
+FORBIDDEN_IMPORTS = {
+    "a WASI interface outside the allowed set": (
+        '(component (import "wasi:http/outgoing-handler@0.2.0" (instance (export "handle" (func)))))',
+        "imports wasi:http/outgoing-handler@0.2.0, which controllers may not use"),
+    "another ABI version": (
+        '(component (import "rudder:controller/host@2.0.0" (instance (export "log" (func (param "text" string))))))',
+        "this host implements rudder:controller/host@1.0.0"),
+    "a host function that does not exist": (
+        '(component (import "rudder:controller/host@1.0.0" (instance (export "open-file" (func (param "p" string))))))',
+        "imports rudder:controller/host@1.0.0.open-file, which does not exist"),
+    "a host function of the wrong type": (
+        '(component (import "rudder:controller/host@1.0.0" (instance (export "log" (func (param "n" u32))))))',
+        "imports rudder:controller/host@1.0.0.log with type"),
+    "a bare function": ('(component (import "env" (func)))', "imports env, which controllers may not use"),
+}
+
+
+@pytest.mark.parametrize("case", FORBIDDEN_IMPORTS)
+def test_a_component_importing_anything_else_is_refused_naming_it(rt, case):
+    import wasmtime
+
+    wat, message = FORBIDDEN_IMPORTS[case]
+    with pytest.raises(ControllerError) as e:
+        rt.load(wasmtime.wat2wasm(wat))
+    assert e.value.kind == "bad_import" and message in str(e.value), str(e.value)
+
+
 def test_a_compiled_component_loads_from_the_disk_cache(tmp_path):
     wasm = example("digits")
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path) as a:

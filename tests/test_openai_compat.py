@@ -314,6 +314,13 @@ def test_completion_logprobs_and_forced_tokens(client):
     assert "".join(lp.tokens) == out.choices[0].text and lp.text_offset[0] == 0
     assert all(len(t) == 2 and max(t.values()) == pytest.approx(v, abs=1e-6)
                for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    streamed = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, logprobs=2,
+                                         logit_bias=ascii_only, stream=True)
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [v for p in parts for v in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert [t for p in parts for t in p.top_logprobs] == lp.top_logprobs or \
+        all(a.keys() == b.keys() for a, b in zip([t for p in parts for t in p.top_logprobs], lp.top_logprobs))
     forced = chat(client, max_tokens=20, logprobs=True, extra_body={"rudder": {"controller": "force",
                                                                               "controller_arg": "Ahoy"}})
     assert forced.choices[0].message.content == "Ahoy"
@@ -545,6 +552,16 @@ def test_aici_protocol(server):
                         for e in runs)
     text = "".join(f["text"] for e in runs for f in e["forks"] if f["index"] == 0)
     assert text in ("yes", "no") and all(f["error"] == "" for e in runs for f in e["forks"])
+    # AICI clients send a JSON controller_arg as an object: it reaches the controller as its text
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/run", json={"controller": "json", "controller_arg": schema, "max_tokens": 40,
+                                    "temperature": 0})
+    assert r.status_code == 200, r.text
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    text = "".join(f["text"] for e in events[1:] for f in e["forks"] if f["index"] == 0)
+    jsonschema.validate(json.loads(text), schema)
 
 
 # -- observability --------------------------------------------------------------------------------
