@@ -147,9 +147,11 @@ class ComponentInstance:
     # ------------------------------------------------------------------ calls
 
     def _arm(self, ms: float) -> None:
-        if self.deadline is not None:
+        if self.deadline is not None:  # CPU time, first checked at the next tick (native/deadline.c)
             self._native.arm(self.deadline, int(ms * 1e6), int(wall_cap_ms(ms) * 1e6))
-        lib.wasmtime_context_set_epoch_deadline(self.ctx, deadline_ticks(ms, self.support.tick_ms))
+            lib.wasmtime_context_set_epoch_deadline(self.ctx, 1)
+        else:
+            lib.wasmtime_context_set_epoch_deadline(self.ctx, deadline_ticks(ms, self.support.tick_ms))
 
     def call(self, name: str, nargs: int, ms: float):
         """Call export `name` (arguments already in `self.args`) under a deadline of `ms` of CPU

@@ -259,7 +259,7 @@ class Instance:
         re-armed before every call."""
         if self.deadline is not None:
             ctx, vals, trap = self._n_args
-            err = self._guarded(self.deadline, ctx, self._n_funcs[name], vals, n_slots, trap, ticks,
+            err = self._guarded(self.deadline, ctx, self._n_funcs[name], vals, n_slots, trap,
                                 int(ms * 1e6), int(wall_cap_ms(ms) * 1e6))
             if err:
                 err = ffi.cast("wasmtime_error_t *", int(self._native_ffi.cast("uintptr_t", err)))

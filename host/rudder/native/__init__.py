@@ -32,13 +32,13 @@ typedef struct rudder_ticker rudder_ticker;
 rudder_ticker *rudder_ticker_start(void *engine, void *increment, long period_ns);
 void rudder_ticker_stop(rudder_ticker *t);
 typedef struct rudder_deadline {
-    int64_t cpu_limit_ns; int64_t wall_limit_ns; int64_t tick_ns; int32_t expired;
-    void *error_new; void *set_deadline; void *call;
+    int64_t cpu_limit_ns; int64_t cpu_budget_ns; int64_t wall_start_ns; int64_t wall_limit_ns; int64_t tick_ns;
+    int32_t expired; void *error_new; void *set_deadline; void *call;
 } rudder_deadline;
 void *rudder_guarded_call(rudder_deadline *d, void *context, const void *func, void *args, size_t n, void **trap,
-                          uint64_t ticks, int64_t cpu_budget_ns, int64_t wall_budget_ns);
+                          int64_t cpu_budget_ns, int64_t wall_budget_ns);
 void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall_budget_ns);
-int64_t rudder_deadline_left_ns(const rudder_deadline *d);
+int64_t rudder_deadline_left_ns(rudder_deadline *d);
 void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8_t *kind);
 typedef struct rudder_attn_step {
     int64_t tokens; const int64_t *positions; const int64_t *slots; const int64_t *seq_of; const int64_t *tables;
