@@ -1,7 +1,8 @@
 """A plain greedy request beside neighbours with slow controllers: does it slow down?
 
     .venv/bin/python benchmarks/tenants.py [--model smollm2] [--neighbours 1 4 8] [--ms 5 15 24]
-                                           [--tokens 48] [--rounds 3] [--json benchmarks/results/tenants.json]
+                                           [--tokens 48] [--rounds 3] [--dtype auto]
+                                           [--json benchmarks/results/tenants.json]
 
 For each (k neighbours, m ms per step): one engine runs a plain greedy request of `--tokens`
 tokens beside k requests whose Wasm controller computes for about m ms of CPU per step (a busy
@@ -85,13 +86,14 @@ def interval(ratios: np.ndarray, rng) -> tuple[float, float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="auto", help="the model's weight precision (auto, fp32, bf16, int8)")
     ap.add_argument("--neighbours", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--ms", type=float, nargs="+", default=[5, 15, 24])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype)
     loops = {ms: calibrate(llm, ms) for ms in args.ms}
     run(llm, 1, None, 8)  # warm up
     rng = np.random.default_rng(0)
