@@ -103,6 +103,12 @@ CASES = {
          "_format": "foo", "esriDocumentation": {}, "x-anything": 1, "format": "int32", "contentMediaType": "text/plain",
          "properties": {"a": {"type": "integer", "title": "A", "$comment": "c"}}, "required": ["a"]},
         ['{"a":1}', '{"a":1,"b":"extra keys are allowed"}'], ['{"a":"1"}', "{}"]),
+    # keys and enum values that must be escaped when the engine writes them (a quote, a backslash)
+    "keys and literals with escapes": (
+        {"type": "object", "properties": {'say "hi"': {"type": "integer"}, "a\\b": {"enum": [{"p": "c:\\d"}, ["\""]]}},
+         "required": ['say "hi"', "a\\b"], "additionalProperties": False},
+        ['{"say \\"hi\\"":1,"a\\\\b":{"p":"c:\\\\d"}}', '{"say \\"hi\\"":2,"a\\\\b":["\\""]}'],
+        ['{"say \\"hi\\"":1,"a\\b":{"p":"c:\\\\d"}}', '{"say \\"hi\\"":1,"a\\\\b":{"p":"c:d"}}']),
     "tool call union": (TOOLS, ['{"name":"get_weather","arguments":{"city":"Oslo"}}', '{"name":"get_news","arguments":{"topic":"x","limit":3}}'],
                         ['{"name":"get_time","arguments":{"city":"Oslo"}}', '{"name":"get_news","arguments":{"topic":"x","limit":11}}',
                          '{"name":"get_fax","arguments":{}}']),
