@@ -43,12 +43,22 @@ class Pure:
       the smallest allowed token;
     - otherwise: sample freely."""
 
-    def __init__(self, plan: dict, prompt_len: int):
+    def __init__(self, plan: dict, prompt_len: int, seen: dict | None = None):
         self.plan, self.prompt_len = plan, prompt_len
         self.tokens: list[int] = []
         self.lineage: tuple[int, ...] = ()
+        self.seen = seen  # counts of the Branch kinds answered, when the caller wants them
 
     def mid_process(self, branch_idx, backtrack, tokens):
+        answer = self._answer(branch_idx, backtrack, tokens)
+        if self.seen is not None:
+            kind = ("stop" if not answer else "fork" if len(answer) > 1 else "backtrack" if answer[0].backtrack
+                    else "ff" if answer[0].ff and answer[0].mask is None else "mask" if answer[0].mask is not None
+                    else "sample")
+            self.seen[kind] = self.seen.get(kind, 0) + 1
+        return answer
+
+    def _answer(self, branch_idx, backtrack, tokens):
         if branch_idx:
             self.lineage += (branch_idx,)
         if backtrack:
@@ -71,7 +81,7 @@ class Pure:
         return [Branch()]
 
     def fork(self):
-        twin = Pure(self.plan, self.prompt_len)
+        twin = Pure(self.plan, self.prompt_len, self.seen)
         twin.tokens, twin.lineage = list(self.tokens), self.lineage
         return twin
 
@@ -139,6 +149,26 @@ def test_seeded_tokens_agree_across_engines(engines, plan, seed):
         reference = outcome(engines["single"], plan, params)
         for name in ("pipeline-M1", "pipeline-M2"):
             assert outcome(engines[name], plan, params) == reference, (name, spec)
+
+
+def test_a_plan_that_uses_every_branch_kind_agrees_across_engines(engines):
+    """The property tests above draw plans at random; this one is known to make the controllers
+    backtrack, fast-forward, mask and fork (counted), and every engine must still agree."""
+    plan = {"banned": frozenset(range(100, 200)), "triggers": {t: [400 + t % 100] for t in range(200, 300)},
+            "allowed": frozenset({300, 301, 302}), "tail": [401], "mask_every": 3, "fork_at": 2, "stop_at": 12}
+
+    def run(llm, spec):
+        seen: dict = {}
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, speculative=spec)
+        outs = llm.generate(PROMPTS, [params] * len(PROMPTS), controllers=[Pure(plan, len(p), seen) for p in PROMPTS])
+        return [[(b.token_ids, b.finish_reason, b.error) for b in o.branches] for o in outs], seen
+
+    reference, seen = run(engines["single"], None)
+    assert all(seen.get(kind, 0) > 0 for kind in ("backtrack", "ff", "mask", "fork", "stop")), seen
+    for name, llm in engines.items():
+        for spec in (None, "lookup"):
+            if (name, spec) != ("single", None):
+                assert run(llm, spec)[0] == reference, (name, spec)
 
 
 def test_speculation_on_a_pipeline_verifies_drafts(engines):
