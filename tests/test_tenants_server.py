@@ -88,24 +88,35 @@ def test_a_slow_neighbour_changes_nothing(server):
 
 
 def test_snapshots_stay_within_their_budget(server):
+    """Eight modules whose init dirties 8 MiB each, against a 24 MiB snapshot budget, while a
+    greedy neighbour runs: the oldest snapshots are dropped, and the neighbour's text is its
+    idle text."""
     with server.client() as c:
-        first = upload(c, dirty_init_wat(8, 1))
-        for mark in range(1, 8):
-            module = upload(c, dirty_init_wat(8, mark))
-            assert run(c, module).status_code == 200
-            assert server.metrics()["rudder_snapshot_bytes"] <= 32 * MiB  # 24 MiB budget + the newest
+        idle = neighbour(c)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            near = pool.submit(lambda: [neighbour(c) for _ in range(3)])
+            first = upload(c, dirty_init_wat(8, 1))
+            for mark in range(1, 8):
+                module = upload(c, dirty_init_wat(8, mark))
+                assert run(c, module).status_code == 200
+                assert server.metrics()["rudder_snapshot_bytes"] <= 32 * MiB  # 24 MiB budget + the newest
+            assert near.result() == [idle] * 3
         assert run(c, first).status_code == 200  # dropped long ago: re-initialised, same answer
     assert server.metrics()["rudder_snapshot_budget_bytes"] == 24 * MiB
 
 
 def test_live_guest_memory_is_bounded_with_429(server):
-    """Four requests whose controllers hold ~48 MiB each against a 160 MiB budget, at once: some
-    run, the others get 429 with Retry-After (never an OOM), and memory goes back to zero."""
+    """Six requests whose controllers hold ~48 MiB each against a 160 MiB budget, at once, beside
+    a greedy neighbour: some run, the others get 429 with Retry-After (never an OOM), the
+    neighbour's text is its idle text, and memory goes back to zero."""
     with server.client() as c:
+        idle = neighbour(c)
         big = upload(c, dirty_init_wat(48, 9))
         assert run(c, big).status_code == 200  # its snapshot exists before the burst
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        with concurrent.futures.ThreadPoolExecutor(7) as pool:
+            near = pool.submit(neighbour, c)  # no controller: no guest memory, never refused for it
             answers = list(pool.map(lambda _: run(c, big, max_tokens=60), range(6)))
+            assert near.result() == idle
         codes = sorted(a.status_code for a in answers)
         assert 200 in codes and 429 in codes, codes
         for a in answers:
