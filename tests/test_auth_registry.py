@@ -203,20 +203,14 @@ def test_upload_and_tag_survive_sigkill(tmp_path):
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_sigkill_during_uploads_never_loses_or_invents_a_module(tmp_path):
-    """20 times: upload (and tag) modules as fast as the server takes them, SIGKILL it at a random
-    moment; every acknowledged module and tag is in the store, whole; nothing else is listed."""
-    from rudder.controller import ControllerRuntime
-    from rudder.tokenizer import Tokenizer
-
-    state = tmp_path / "state"
-    rng = random.Random(22)
-    acked_modules: dict[str, bytes] = {}
-    acked_tags: dict[str, str] = {}
-    attempted: set[str] = set()
-    counter = iter(range(10 ** 6))
+def _uploads_killed_at_random(state, seed: int, kills: int, first: int) -> dict:
+    """`kills` times: start a server on `state`, upload (and tag) modules as fast as it takes
+    them, SIGKILL it at a random moment. What was acknowledged and what was attempted."""
+    rng = random.Random(seed)
+    seen = {"modules": {}, "tags": {}, "attempted": set(), "rng": rng}
+    counter = iter(range(first, first + 10 ** 6))
     server = ServeProcess("--state-dir", str(state), "--max-modules", "100000", model="tiny:1")
-    for _ in range(20):
+    for _ in range(kills):
         server.start()
         stop = threading.Event()
 
@@ -225,14 +219,14 @@ def test_sigkill_during_uploads_never_loses_or_invents_a_module(tmp_path):
                 while not stop.is_set():
                     i = next(counter)
                     wasm = module(1000 + i)
-                    attempted.add(hashlib.sha256(wasm).hexdigest())
+                    seen["attempted"].add(hashlib.sha256(wasm).hexdigest())
                     try:
                         r = c.post("/v1/controllers", content=wasm)
                         if r.status_code == 200:
-                            acked_modules[r.json()["module_id"]] = wasm
+                            seen["modules"][r.json()["module_id"]] = wasm
                             t = c.post("/v1/controllers/tags", json={"tag": f"t{i}", "module_id": r.json()["module_id"]})
                             if t.status_code == 200:
-                                acked_tags[f"t{i}"] = r.json()["module_id"]
+                                seen["tags"][f"t{i}"] = r.json()["module_id"]
                     except httpx.HTTPError:
                         return  # the server is gone
 
@@ -244,27 +238,46 @@ def test_sigkill_during_uploads_never_loses_or_invents_a_module(tmp_path):
         stop.set()
         for t in threads:
             t.join(30)
+    seen["server"] = server
+    return seen
 
-    store = LocalStore(state)
-    listed = {m["module_id"] for m in store.modules()}
-    assert len(acked_modules) >= 20, "too few uploads got through to test anything"
-    assert set(acked_modules) <= listed  # every acknowledged upload is there...
-    assert listed <= attempted           # ...and nothing that was never sent
-    for mid in listed:
-        data = store.module_bytes(mid)  # whole: checked against its sha256
-        assert data is not None and hashlib.sha256(data).hexdigest() == mid
-    tags = {t["tag"]: t["module_id"] for t in store.tags()}
-    assert all(tags.get(tag) == mid for tag, mid in acked_tags.items())
+
+def test_sigkill_during_uploads_never_loses_or_invents_a_module(tmp_path):
+    """20 times (two state directories side by side, 10 kills each, to use both cores while a
+    server starts): upload (and tag) modules as fast as the server takes them, SIGKILL it at a
+    random moment; every acknowledged module and tag is in the store, whole; nothing else is
+    listed; and a server on that state serves them."""
+    import concurrent.futures
+
+    from rudder.controller import ControllerRuntime
+    from rudder.tokenizer import Tokenizer
+
+    states = [tmp_path / "state-a", tmp_path / "state-b"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda k: _uploads_killed_at_random(states[k], 22 + k, 10, 10 ** 7 * k), range(2)))
     runtime = ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False)
     try:
-        for mid in acked_modules:
-            assert runtime.load(store.module_bytes(mid)).sha256 == mid
+        for state, seen in zip(states, runs):
+            acked_modules, acked_tags = seen["modules"], seen["tags"]
+            store = LocalStore(state)
+            listed = {m["module_id"] for m in store.modules()}
+            assert len(acked_modules) >= 10, "too few uploads got through to test anything"
+            assert set(acked_modules) <= listed      # every acknowledged upload is there...
+            assert listed <= seen["attempted"]       # ...and nothing that was never sent
+            for mid in listed:
+                data = store.module_bytes(mid)  # whole: checked against its sha256
+                assert data is not None and hashlib.sha256(data).hexdigest() == mid
+            tags = {t["tag"]: t["module_id"] for t in store.tags()}
+            assert all(tags.get(tag) == mid for tag, mid in acked_tags.items())
+            for mid in acked_modules:
+                assert runtime.load(store.module_bytes(mid)).sha256 == mid
+            store.close()
     finally:
         runtime.close()
-    store.close()
-    with server:  # and a server on that state serves them
+    acked_modules, acked_tags = runs[0]["modules"], runs[0]["tags"]
+    with runs[0]["server"] as server:  # and a server on that state serves them
         with httpx.Client(base_url=server.url, timeout=60) as c:
-            some = rng.choice(sorted(acked_tags))
+            some = runs[0]["rng"].choice(sorted(acked_tags))
             r = c.post("/v1/run", json={"controller": some, "prompt": "x", "max_tokens": 3, "stream": False})
             assert r.status_code == 200, r.text
             served = {m["module_id"] for m in c.get("/v1/controllers").json()["data"]}
