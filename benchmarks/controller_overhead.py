@@ -334,8 +334,9 @@ def main(argv=None) -> dict:
                     "(auto, fp32, bf16, int8)")
     ap.add_argument("--threads", type=int, help="torch threads for --e2e (default: torch's)")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--languages", action="store_true", help="only the C / Python / JavaScript rows")
-    ap.add_argument("--no-languages", action="store_true", help="skip the C / Python / JavaScript rows")
+    rows = ap.add_mutually_exclusive_group()
+    rows.add_argument("--languages", action="store_true", help="only the C / Python / JavaScript rows")
+    rows.add_argument("--no-languages", action="store_true", help="skip the C / Python / JavaScript rows")
     args = ap.parse_args(argv)
 
     vocab_49k = Tokenizer.byte_level(vocab_size=49152)

@@ -394,6 +394,10 @@ ENFORCED_FORMATS = {"date", "time", "date-time", "duration", "email", "hostname"
                     "uri-reference", "uuid"}
 
 
+# Keywords whose value maps names to subschemas: those names are data, not keywords.
+NAMED_SUBSCHEMAS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+
+
 def relaxed(schema):
     """The schema as docs/json-schema.md says the json controller enforces it: no `uniqueItems`,
     `oneOf` generated like `anyOf`, formats it does not know as annotations."""
@@ -405,7 +409,10 @@ def relaxed(schema):
     for key, value in schema.items():
         if key == "uniqueItems" or (key == "format" and isinstance(value, str) and value not in ENFORCED_FORMATS):
             continue
-        out["anyOf" if key == "oneOf" else key] = relaxed(value)
+        if key in NAMED_SUBSCHEMAS and isinstance(value, dict):
+            out[key] = {name: relaxed(sub) for name, sub in value.items()}
+        else:
+            out["anyOf" if key == "oneOf" else key] = relaxed(value)
     return out
 
 

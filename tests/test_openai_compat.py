@@ -319,8 +319,10 @@ def test_completion_logprobs_and_forced_tokens(client):
     parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
     assert [t for p in parts for t in p.tokens] == lp.tokens
     assert [v for p in parts for v in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
-    assert [t for p in parts for t in p.top_logprobs] == lp.top_logprobs or \
-        all(a.keys() == b.keys() for a, b in zip([t for p in parts for t in p.top_logprobs], lp.top_logprobs))
+    top = [t for p in parts for t in p.top_logprobs]
+    assert len(top) == len(lp.top_logprobs)
+    assert all(a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-6)
+               for a, b in zip(top, lp.top_logprobs))
     forced = chat(client, max_tokens=20, logprobs=True, extra_body={"rudder": {"controller": "force",
                                                                               "controller_arg": "Ahoy"}})
     assert forced.choices[0].message.content == "Ahoy"

@@ -25,7 +25,7 @@ typedef void *(*rudder_call_fn)(void *context, const void *func, void *args, siz
 
 typedef struct rudder_deadline {
     int64_t cpu_limit_ns;   /* thread CPU time (CLOCK_THREAD_CPUTIME_ID) at which the call is over;
-                               0 until the call's first tick */
+                               NOT_STARTED until the call's first tick */
     int64_t cpu_budget_ns;  /* the call's budget of CPU time */
     int64_t wall_start_ns;  /* CLOCK_MONOTONIC time at which the call began */
     int64_t wall_limit_ns;  /* CLOCK_MONOTONIC time at which it is over, however little CPU it used */
@@ -36,6 +36,8 @@ typedef struct rudder_deadline {
     rudder_call_fn call;
 } rudder_deadline;
 
+#define NOT_STARTED INT64_MIN
+
 static int64_t now_ns(clockid_t clock) {
     struct timespec ts;
     clock_gettime(clock, &ts);
@@ -45,7 +47,7 @@ static int64_t now_ns(clockid_t clock) {
 /* Start a call's budget (on the thread that makes the call); the caller sets the store's epoch
  * deadline to one tick. */
 void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall_budget_ns) {
-    d->cpu_limit_ns = 0;
+    d->cpu_limit_ns = NOT_STARTED;
     d->cpu_budget_ns = cpu_budget_ns;
     d->wall_start_ns = now_ns(CLOCK_MONOTONIC);
     d->wall_limit_ns = d->wall_start_ns + wall_budget_ns;
@@ -55,7 +57,7 @@ void rudder_deadline_arm(rudder_deadline *d, int64_t cpu_budget_ns, int64_t wall
 /* CPU time this thread still has before the call is over budget (negative: over). */
 int64_t rudder_deadline_left_ns(rudder_deadline *d) {
     int64_t cpu = now_ns(CLOCK_THREAD_CPUTIME_ID);
-    if (d->cpu_limit_ns == 0) {
+    if (d->cpu_limit_ns == NOT_STARTED) {
         int64_t before = now_ns(CLOCK_MONOTONIC) - d->wall_start_ns;
         d->cpu_limit_ns = cpu - (before < d->tick_ns ? before : d->tick_ns) + d->cpu_budget_ns;
     }
