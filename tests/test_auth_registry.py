@@ -209,7 +209,7 @@ def _uploads_killed_at_random(state, seed: int, kills: int, first: int) -> dict:
     rng = random.Random(seed)
     seen = {"modules": {}, "tags": {}, "attempted": set(), "rng": rng}
     counter = iter(range(first, first + 10 ** 6))
-    server = ServeProcess("--state-dir", str(state), "--max-modules", "100000", model="tiny:1")
+    server = ServeProcess("--state-dir", str(state), "--max-modules", "100000", model="tiny:1", forked=True)
     for _ in range(kills):
         server.start()
         stop = threading.Event()
@@ -233,7 +233,7 @@ def _uploads_killed_at_random(state, seed: int, kills: int, first: int) -> dict:
         threads = [threading.Thread(target=upload_loop) for _ in range(2)]
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.2, 1.5))
+        time.sleep(rng.uniform(0.1, 1.0))
         server.kill()
         stop.set()
         for t in threads:
@@ -286,7 +286,8 @@ def test_sigkill_during_uploads_never_loses_or_invents_a_module(tmp_path):
 
 def test_replicas_share_uploads_and_tags(tmp_path):
     state = str(tmp_path / "state")
-    with ServeProcess("--state-dir", state, model="tiny:1") as a, ServeProcess("--state-dir", state, model="tiny:1") as b:
+    with ServeProcess("--state-dir", state, model="tiny:1", forked=True) as a, \
+            ServeProcess("--state-dir", state, model="tiny:1", forked=True) as b:
         with httpx.Client(timeout=60) as c:
             mid = c.post(a.url + "/v1/controllers", content=module(200)).json()["module_id"]
             run = {"prompt": "x", "max_tokens": 3, "stream": False}

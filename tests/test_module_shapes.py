@@ -22,6 +22,7 @@ import pytest
 import wasmtime
 
 from controller_wat import wasm_of
+from zygote import run_cli
 from wasm_shapes import SHAPES, random_shape
 
 HERE = Path(__file__).resolve().parent
@@ -112,16 +113,16 @@ HOSTILE = [name for name, (_, allowed) in SHAPES.items() if allowed != {"ok"}]
 def test_cli_always_exits_with_its_own_code(tmp_path):
     """`rudder run` on every module the host refuses or that traps at instantiation: a one-line
     error naming the kind, exit status 1, never a signal (SIGSEGV at exit used to follow an
-    instantiation trap)."""
+    instantiation trap). The runs fork from the tests' zygote (tests/zygote.py): each is a process
+    that ends through the interpreter's normal exit, as `rudder` does."""
     paths = {}
     for name in HOSTILE:
         paths[name] = tmp_path / f"{name}.wasm"
         paths[name].write_bytes(wasm_of(SHAPES[name][0]))
 
     def run(name):
-        return name, subprocess.run([str(RUDDER), "run", "--model", "tiny", "--controller", str(paths[name]),
-                                     "--max-tokens", "2", "--temperature", "0", "hi"],
-                                    capture_output=True, text=True, timeout=300)
+        return name, run_cli(["run", "--model", "tiny", "--controller", str(paths[name]), "--max-tokens", "2",
+                              "--temperature", "0", "hi"], timeout=300)
 
     with ThreadPoolExecutor(2) as pool:
         results = dict(pool.map(run, HOSTILE))

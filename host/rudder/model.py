@@ -236,6 +236,25 @@ def native_stack(model: nn.Module) -> kernels.DecoderStack | None:
     return model.native_stack
 
 
+def embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """An embedding table without its random init. Models are built on the meta device and filled
+    afterwards; nn.Embedding's normal_ init on meta runs through torch._refs, which imports
+    torch._dynamo: 1.3 s of every process start, spent on numbers that are thrown away."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module.to_empty(device=...)`, without its detour: to_empty's empty_like on meta tensors
+    runs through torch._refs, which imports sympy (0.3 s of every process start)."""
+    for mod in module.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                 requires_grad=p.requires_grad)
+        for name, b in mod.named_buffers(recurse=False):
+            mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return module
+
+
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the LM head (a pipeline stage builds its own slice:
     rudder.pipeline.stage_model)."""
@@ -243,7 +262,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -321,7 +340,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 def _fp32_model(cfg: ModelConfig, state_dict, device, seed: int) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     cos, sin = rope_tables(cfg, torch.device(device))
     model.rope_cos, model.rope_sin = cos, sin
     if state_dict is None:

@@ -12,8 +12,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..loading import tiny_config
-from ..model import (AttentionMetadata, DecoderLayer, RMSNorm, fuse_projections, random_weights, rope_tables,
-                     run_layers, set_precision)
+from ..model import (AttentionMetadata, DecoderLayer, RMSNorm, embedding, fuse_projections, materialize,
+                     random_weights, rope_tables, run_layers, set_precision)
 from ..precision import resolve
 from .partition import StageSpec
 
@@ -25,7 +25,7 @@ class StageModel(nn.Module):
         self.stage = stage
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(stage.num_layers))
         needs_embed = stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if needs_embed else None
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size) if needs_embed else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
         self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
                         if stage.is_last and not cfg.tie_word_embeddings else None)
@@ -79,7 +79,7 @@ def build_stage_model(spec: str, stage: StageSpec, device: str | torch.device = 
         cfg, full, _ = load_checkpoint(spec, progress=False)
     with torch.device("meta"):
         model = StageModel(cfg, stage)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     model.rope_cos, model.rope_sin = rope_tables(cfg, torch.device(device))
     weights = stage_state_dict(full, cfg, stage)
     expected = set(model.state_dict())
