@@ -1285,14 +1285,17 @@ static dnf dnf_of(comp *c, const rudder_jv *s) {
         return none;
     }
     slot->state = 1;
+    /* What the schema builds on ($ref, then allOf) comes before its own keywords: merged
+     * properties are generated in that order (as llguidance does; docs/json-schema.md). */
     bundle *base = base_bundle(c, s);
-    dnf d = base ? one(c, base) : none;
+    dnf d = one(c, &c->any);
+    bool own = true;
     const rudder_jv *v;
     if ((v = get(s, "$ref"))) {
         const rudder_jv *target = resolve_ref(c, s, v);
         if (target) {
-            dnf r = dnf_of(c, target);
-            d = c->old_ref ? r : product(c, s, d, r);   /* drafts 4-7: siblings of $ref are ignored */
+            d = dnf_of(c, target);
+            own = !c->old_ref;   /* drafts 4-7: siblings of $ref are ignored */
         }
     }
     if ((v = get(s, "allOf")) && !c->failed) {
@@ -1301,6 +1304,8 @@ static dnf dnf_of(comp *c, const rudder_jv *s) {
         for (uint32_t i = 0; i < v->n && !c->failed; i++)
             d = product(c, s, d, dnf_of(c, &v->items[i]));
     }
+    if (own && !c->failed)
+        d = product(c, s, d, base ? one(c, base) : none);
     if ((v = get(s, "anyOf")) && !c->failed)
         d = product(c, s, d, dnf_union(c, s, v, "anyOf"));
     if ((v = get(s, "oneOf")) && !c->failed)   /* generated like anyOf (documented) */

@@ -825,15 +825,29 @@ static uint32_t extra_value(const rudder_js *js, const jnode *n, const thread *s
     return set ? js->idx[n->pvals + set] : n->extra;
 }
 
-/* A byte of an extra key's name: plain characters (no escapes: equal keys are equal bytes),
- * its length and propertyNames pattern, and the patternProperties it matches. */
+/* A byte of an extra key's name: its characters, its length and propertyNames pattern, and
+ * the patternProperties it matches (both see the unescaped character). Escapes are those the
+ * SDK's own writer uses for declared keys, \" and \\ only, so that a key has one spelling and
+ * a declared key is told from an extra one by its bytes (a key with a control character, or
+ * written with \/ or \u, is refused: docs/json-schema.md). */
 static int extra_key_byte(const jnode *n, thread *s, uint8_t b) {
     bool lead = false;
     if (s->lphase == SL_CHAR) {
-        if (b < 0x20 || b == '\\' || b == '"')
+        if (b == '\\') {
+            if (n->kmax != NONE && s->len >= n->kmax)
+                return DEAD;
+            s->lphase = SL_ESC;
+            return OK;
+        }
+        if (b < 0x20 || b == '"')
             return DEAD;
         if (b >= 0x80 && !utf8_lead(s, b))
             return DEAD;
+        lead = true;
+    } else if (s->lphase == SL_ESC) {
+        if (b != '"' && b != '\\')
+            return DEAD;
+        s->lphase = SL_CHAR;
         lead = true;
     } else if (!utf8_more(s, b)) {
         return DEAD;
@@ -870,12 +884,6 @@ static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, ui
             return DEAD;
         key_done(js, s, f, n, EXTRA_KEY, v);
         return OK;
-    }
-    if (extras && b == '\\') {   /* only a declared key (escaped in the schema) goes on */
-        if (c == NONE || !ps_meets(&js->trie[c].below, &range))
-            return DEAD;
-        f->flags = 0;
-        lex_reset(s);
     }
     if (!(f->flags & F_EXTRAS)) {
         if (c == NONE || !ps_meets(&js->trie[c].below, &range))

@@ -97,6 +97,9 @@ LINKED = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"a
           "required": ["v", "next"], "additionalProperties": False}
 
 #: name -> (schema, valid documents, invalid documents)
+ESCAPED_KEYS = {"type": "object", "properties": {'a"b': {"type": "integer"}}, "additionalProperties": {"type": "string"},
+                "patternProperties": {"^k\\\\": {"type": "boolean"}}, "propertyNames": {"maxLength": 4}}
+
 CASES = {
     "annotations are ignored": (
         {"type": "object", "id": "x", "readonly": True, "example": {"a": 1}, "links": [], "self": {"vendor": "v"},
@@ -109,6 +112,12 @@ CASES = {
          "required": ['say "hi"', "a\\b"], "additionalProperties": False},
         ['{"say \\"hi\\"":1,"a\\\\b":{"p":"c:\\\\d"}}', '{"say \\"hi\\"":2,"a\\\\b":["\\""]}'],
         ['{"say \\"hi\\"":1,"a\\b":{"p":"c:\\\\d"}}', '{"say \\"hi\\"":1,"a\\\\b":{"p":"c:d"}}']),
+    # extra keys may hold a quote or a backslash, escaped as a declared key is written; patterns and
+    # lengths see the unescaped characters
+    "extra keys with escapes": (ESCAPED_KEYS,
+        ['{"a\\"b":1,"x\\"y":"s","k\\\\":true}', '{"\\\\\\"":"two characters"}'],
+        ['{"a\\"b":"declared: an integer"}', '{"k\\\\z":"a pattern key: a boolean"}',
+         '{"\\\\\\"\\\\\\"x":"five characters"}']),
     "tool call union": (TOOLS, ['{"name":"get_weather","arguments":{"city":"Oslo"}}', '{"name":"get_news","arguments":{"topic":"x","limit":3}}'],
                         ['{"name":"get_time","arguments":{"city":"Oslo"}}', '{"name":"get_news","arguments":{"topic":"x","limit":11}}',
                          '{"name":"get_fax","arguments":{}}']),
@@ -239,6 +248,34 @@ def test_keyword(rt, module, byte_tok, schema, doc, valid):
     else:
         with pytest.raises(Refused):
             Drive(rt, module, byte_tok, schema, doc).run()
+
+
+@pytest.mark.parametrize("doc", ['{"x\\/y":"s"}', '{"x\\u0041":"s"}', '{"a\\u0022b":1}', '{"x\\ny":"s"}'])
+def test_an_extra_key_has_one_spelling(rt, module, byte_tok, doc):
+    """Valid documents, refused by design (docs/json-schema.md): an extra key takes only the
+    escapes a declared key is written with (\\" and \\\\), so that each key has one spelling and
+    "a\\u0022b", the declared key a"b, can never be taken for an extra key of another schema."""
+    assert jsonschema.validators.validator_for(ESCAPED_KEYS)(ESCAPED_KEYS).is_valid(json.loads(doc))
+    with pytest.raises(Refused):
+        Drive(rt, module, byte_tok, ESCAPED_KEYS, doc).run()
+
+
+BUILDS_ON = {"$defs": {"base": {"properties": {"id": {"type": "integer"}}}},
+             "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"name": {"type": "string"}}}],
+             "properties": {"kind": {"const": "leaf"}}, "required": ["id", "kind"]}
+
+
+@pytest.mark.parametrize("doc,ours", [('{"id":1,"name":"a","kind":"leaf"}', True), ('{"id":1,"kind":"leaf"}', True),
+                                      ('{"kind":"leaf","id":1}', False), ('{"name":"a","id":1,"kind":"leaf"}', False)])
+def test_merged_properties_come_in_the_order_the_schema_builds_on(rt, module, byte_tok, doc, ours):
+    """docs/json-schema.md, "Property order": the $ref's and allOf members' properties, then the
+    schema's own. The other orders are valid JSON Schema-wise, and refused by design."""
+    assert jsonschema.validators.validator_for(BUILDS_ON)(BUILDS_ON).is_valid(json.loads(doc))
+    if ours:
+        Drive(rt, module, byte_tok, BUILDS_ON, doc).run().ctl.close()
+    else:
+        with pytest.raises(Refused):
+            Drive(rt, module, byte_tok, BUILDS_ON, doc).run()
 
 
 # ---------------------------------------------------------------------------- the shapes of tool calling
