@@ -4,6 +4,7 @@ ControllerError of the right kind and a clear message, leaving the runtime usabl
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -645,3 +646,32 @@ def test_without_the_native_library_deadlines_still_fire():
                         controller="regex", controller_arg="[a-z]{3,8}( [a-z]{3,8})*")
     assert out["texts"] == [o.text for o in outs]
     assert all(o.text and set(o.text) <= set("abcdefghijklmnopqrstuvwxyz ") for o in outs)
+
+
+def test_many_runtimes_in_one_process_never_abort():
+    """Each runtime's pool reserves ~4 TiB of address space (1024 slots of ~4 GiB); x86-64 gives
+    a process 128 TiB, and wasmtime aborts the process when a reservation fails. So runtimes past
+    the room fall back to the default allocator, and still run controllers. (In a child process:
+    a clean address space, and an abort fails this test instead of killing the suite.)"""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from controller_wat import GOOD_WAT, wasm_of
+from rudder.controller import ControllerRuntime
+from rudder.tokenizer import Tokenizer
+tok = Tokenizer.byte_level(512)
+runtimes = [ControllerRuntime(tok, cache_dir=False) for _ in range(40)]
+pooled = [r.pooling for r in runtimes]
+ctl = runtimes[-1].start(runtimes[-1].load(wasm_of(GOOD_WAT)), "m")
+assert ctl.mid_process(0, 0, [1])[0].ff == [[7, 8, 9]]
+ctl.close()
+print(sum(pooled), pooled[0], pooled[-1])
+"""
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    n_pooled, first, last = done.stdout.split()
+    assert first == "True" and last == "False" and 10 <= int(n_pooled) < 40, done.stdout

@@ -12,7 +12,9 @@ Engine settings, and why:
   kept resident: every request and fork is a new instance, and writing its snapshot into
   fresh pages costs a page fault per 4 KiB (a 1.3 MB token table: ~0.8 ms); in a reused,
   resident slot the same copy takes ~0.1 ms. If the pool cannot be reserved (it is virtual
-  address space: ~4 GiB per slot), we fall back to wasmtime's default allocator.
+  address space: ~4 GiB per slot, so ~4 TiB for 1024 slots, and x86-64 gives a process 128 TiB),
+  we fall back to wasmtime's default allocator. The room is probed first: wasmtime aborts the
+  process, rather than return an error, when the pool's reservation fails.
   At most WARM_SLOTS unused slots stay warm (resident, with their module's image): wasmtime's
   default of 100 let a server that ran many distinct modules keep ~100 x keep_resident of
   idle guest pages in RSS for good (benchmarks/soak.py).
@@ -127,8 +129,29 @@ def _config(pooling: dict | None) -> wasmtime.Config:
     return cfg
 
 
+SLOT_RESERVATION = (4 << 30) + (64 << 20)  # a pool slot's address space: a 4 GiB memory + guards (wasmtime's defaults)
+
+
+def _address_space_free(nbytes: int) -> bool:
+    """Whether `nbytes` of address space can be reserved now (reserved and given back at once)."""
+    if platform.system() != "Linux":
+        return True
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    prot_none, private_anonymous_noreserve = 0, 0x02 | 0x20 | 0x4000
+    p = libc.mmap(None, nbytes, prot_none, private_anonymous_noreserve, -1, 0)
+    if p is None or p == ctypes.c_void_p(-1).value:
+        return False
+    libc.munmap(p, nbytes)
+    return True
+
+
 def _make_engine(limits: Limits, slots: int, keep_resident: int) -> tuple[wasmtime.Engine, bool]:
-    if slots > 0:
+    if slots > 0 and _address_space_free(slots * SLOT_RESERVATION + (1 << 40)):  # (and a TiB to spare)
         pooling = {"slots": slots, "max_memory": max(limits.memory_bytes, WASM_PAGE),
                    "keep_resident": keep_resident}
         try:
