@@ -174,7 +174,10 @@ patterns = st.recursive(st.sampled_from(ATOMS), _extend, max_leaves=10)
 texts = st.text(alphabet="abé日本x 1_\n.-😀\x7fࠀ\ud7ff\ue000]^", max_size=10)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomize: the same 200 examples on every run. A random seed once drew a pattern for which
+# hypothesis's from_regex spent over ten minutes producing matches (a CI run hung here); a fixed
+# set keeps the suite's time bounded and a failure reproducible.
+@settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(patterns, st.data())
 def test_engine_agrees_with_python_re(probe, pattern, data):
     """Whole-match on the UTF-8 bytes, for matching and random strings; every prefix of a match
