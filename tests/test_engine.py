@@ -1,6 +1,7 @@
 """The engine loop: continuous batching, stops, streaming, cancellation, preemption, step hooks."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -235,3 +236,24 @@ def test_held_controller_calls_are_released_when_the_forward_pass_fails(monkeypa
     threading.Thread(target=drive, daemon=True).start()
     assert done.wait(timeout=30), "the engine waited for controller calls nobody started"
     assert llm.engine.completions(req)[0].finish_reason == "error" and len(calls) == 2
+
+
+def test_an_llm_dropped_without_close_ends_its_controller_threads():
+    """Its controller-call workers hold their queue, not the engine: once the LLM is collected
+    they end (before, every unclosed LLM of a process kept its threads, and with them the
+    runtime's reserved address space, for good)."""
+    import gc
+
+    def workers() -> int:
+        return sum(t.name.startswith("rudder-controller-") and t.is_alive() for t in threading.enumerate())
+
+    before = workers()
+    llm = LLM("tiny")
+    assert llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
+    assert workers() > before
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while workers() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers() == before

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -98,6 +99,9 @@ class Engine:
         self.steering = Steering(self.block_manager, self.scheduler, tokenizer.stop_token_ids,
                                  self.cfg.max_position, config.max_forks, self._release_sequence)
         self.calls = ControllerCalls(config.controller_threads)
+        # An engine dropped without close() still ends its worker threads (they hold the calls'
+        # queue, not the engine, so the engine itself can be collected).
+        weakref.finalize(self, self.calls.close)
         self.sampler = Sampler(self.cfg.vocab_size)  # for late sequences' kept rows
         self._late: dict[int, _Late] = {}  # by seq_id
         self.failure: str | None = None  # set when the runner failed for good
