@@ -169,15 +169,19 @@ def test_greedy_speculation_is_token_for_token_plain_greedy(llm, policy, mode, k
 
 def test_a_failing_fork_ends_its_request_without_unverified_tokens(llm):
     def fork_then_fail(c):
-        if c.branch == 0 and len(c.seq) - c.n_prompt >= 12:  # fork 0 is verified first: fork 1 holds a draft
-            raise RuntimeError("fork 0 gives up")
+        # Whichever fork gets to 12 tokens first fails the request while the other may hold a
+        # draft. (Not "fork 0 at 12": on a loaded host fork 0's controller can answer late, sit
+        # steps out, and fork 1 finish all its tokens first.)
+        if len(c.seq) - c.n_prompt >= 12:
+            raise RuntimeError("a fork gives up")
         return forks(c)
 
     reference, _, _ = run(llm, forks, n=30)
     for mode in ("lookup", "draft"):
         spec, outs, _ = run(llm, fork_then_fail, mode, n=30)
         for ref, got, out in zip(reference, spec, outs):
-            assert all(b.finish_reason == "error" and "fork 0 gives up" in b.error for b in out.branches)
+            assert all(b.finish_reason == "error" and "a fork gives up" in b.error for b in out.branches), \
+                (mode, [(b.finish_reason, len(b.token_ids)) for b in out.branches])
             for tokens, unfailed in zip(got, ref):  # only verified tokens: a prefix of the unfailed run
                 assert tokens == unfailed[: len(tokens)]
         check_caches_empty(llm)
