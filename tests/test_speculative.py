@@ -441,3 +441,16 @@ def test_the_draft_models_catch_up_is_not_timed_as_a_drafted_token():
     assert dm.fed == 2
     dm.logits([(7, list(range(1, 33)) + [5])])
     assert dm.fed == 1
+
+
+def test_a_short_answer_to_a_long_prompt_is_not_drafted_by_a_model():
+    """A draft model must first read what it has not seen (here a 1500-token prompt, ~0.1 of its
+    step per token): drafting for a 10-token answer cannot repay that, so the request decodes
+    plain; a 10-token answer to a short prompt drafts."""
+    llm = LLM("tiny", kv_cache_tokens=4096, draft_model="layers:1")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, speculative="draft", spec_k=4)
+    [long] = llm.generate(["a " * 750], [params])
+    assert len(long.token_ids) == 10 and long.speculative["drafted"] == 0
+    [short] = llm.generate(["a b c"], [params])
+    assert len(short.token_ids) == 10 and short.speculative["drafted"] > 0
+    llm.close()

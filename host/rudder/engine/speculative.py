@@ -38,9 +38,11 @@ from .sampler import Sampler, keep_nucleus
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
 NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the estimates' start
-# Each verified position adds this fraction of a one-token forward. Measured for SmolLM2 on this
-# host's CPU (1 thread, 5-17 rows): bf16 0.025 (AMX pads up to 16 rows: the weights' bytes set the
-# time), int8 0.14 (vector dot products below 8 rows), fp32 0.01-0.03; the guard catches a wrong guess.
+# Each verified position adds about this fraction of a one-token forward. Measured for SmolLM2
+# (benchmarks/verify_rows.py, 2 threads): bf16 on AVX-512 BF16 0.05-0.10 by context, with AMX
+# 0.025, int8 0.14, fp32 0.01-0.03. Kept at 0.03 for every precision: the measured bf16 value
+# gave smaller drafts and no gain (speculative.py, 2026-11-26: lookup on extraction 1.40x
+# against 1.45x), since a draft step also pays the controller's calls and the host's work.
 ROW_COST = 0.03
 PROBE_EVERY = 8  # a sequence that stopped drafting (k = 0) tries one token this often, to notice a change
 NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}  # seeded requests' fixed estimates (no wall clock)
@@ -48,6 +50,10 @@ NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}  # seeded requests' fixed esti
 # target's measured step (an int8 copy of a bf16 target costs about half): drafting is then
 # tried, measured, and judged, whatever the target's speed.
 UNMEASURED_DRAFT_SHARE = 0.5
+# What a draft model pays to read a token it missed (the prompt, the steps it sat out), as a share
+# of its decode step until measured: a prefill reads ~10 tokens in the time of one decode step
+# (benchmarks/decode.py: int8 1348 tok/s prefill against 118 tok/s decode).
+UNMEASURED_READ_SHARE = 0.1
 # A draft model's round is timed only when it read at most this many new tokens per sequence: a
 # round that first reads what the draft model missed (the prompt, the steps it sat out) is not
 # the cost of a drafted position.
@@ -145,16 +151,18 @@ class _Adaptive:
         self.hits = _EMA * self.hits + accepted
         self.tries = _EMA * self.tries + accepted + rejected
 
-    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True, probe: int = 1) -> int:
+    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True, probe: int = 1,
+                 rows: float = ROW_COST) -> int:
         """The k that maximises expected tokens per second: a draft of k tokens yields
         (1 - a^(k+1)) / (1 - a) tokens for one target forward over k + 1 positions plus k draft
-        steps (each with a controller call, whose measured time counts when `timed`). 0 = do not
+        steps (each with a controller call, whose measured time counts when `timed`); each
+        verified position adds `rows` of a one-token forward. 0 = do not
         draft this step (then every PROBE_EVERY steps a probe of `probe` tokens: a draft model's
         probe drafts 2, since only its second round is timed - see CAUGHT_UP_TOKENS)."""
         a, cost = self.alpha, t_draft + (self.ctl_time if timed else 0.0)
         best, best_rate = 0, 1.0 / t_target
         for k in range(1, k_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (t_target * (1 + ROW_COST * k) + k * cost)
+            rate = (1 - a ** (k + 1)) / (1 - a) / (t_target * (1 + rows * k) + k * cost)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
@@ -164,6 +172,14 @@ class _Adaptive:
         if best:
             self.idle = 0
         return best
+
+    def gain(self, k: int, t_target: float, t_draft: float, rows: float) -> float:
+        """Seconds saved per output token by drafts of k tokens (expected; <= 0: none)."""
+        if k <= 0:
+            return 0.0
+        a, cost = self.alpha, t_draft + self.ctl_time
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return t_target - (t_target * (1 + rows * k) + k * cost) / tokens
 
     def step(self, now: float, length: int) -> None:
         """A new step begins: the one that just ended took now - then and added length - then's.
@@ -224,7 +240,8 @@ class Speculator:
         self.lookup = PromptLookup()
         self._draft_model: DraftModel | None = None
         self.adaptive: dict[int, _Adaptive] = {}  # by seq_id
-        self.t_target = NOMINAL_T_TARGET  # seconds per verification forward, running estimate
+        self.t_target = NOMINAL_T_TARGET  # seconds per one-token forward, running estimate
+        self.t_read: float | None = None  # seconds per token a draft model reads to catch up
         # seconds per drafted position, per source (None: the draft model not measured yet)
         self.t_draft: dict[str, float | None] = {"lookup": NOMINAL_T_DRAFT["lookup"], "draft": None}
 
@@ -279,6 +296,8 @@ class Speculator:
                     t_draft = UNMEASURED_DRAFT_SHARE * self.t_target
                 k = ad.guard(ad.choose_k(p.spec_k, self.t_target, t_draft, probe=2 if p.speculative == "draft" else 1),
                              plain_first=p.speculative == "draft")
+                if k and p.speculative == "draft" and not self._repaid(seq, ad, k, t_draft):
+                    k = 0
             else:  # a seeded request repeats only if its drafts do: no wall-clock input to k
                 k = ad.choose_k(p.spec_k, NOMINAL_T_TARGET, NOMINAL_T_DRAFT[p.speculative], timed=False)
             if k == 0:
@@ -289,6 +308,19 @@ class Speculator:
         if drafts:
             self._draft(drafts)
         self._began(running, set(candidates), now)
+
+    def _repaid(self, seq, ad: "_Adaptive", k: int, t_draft: float) -> bool:
+        """Whether what drafting can save over the rest of the request repays the draft model's
+        reading what it has not seen of the sequence (all of a long prompt, at first): a short
+        answer to a long prompt is decoded plain rather than pay for that read."""
+        behind = len(seq) - len(self.draft_model.cached.get(seq.seq_id, ()))
+        if behind <= CAUGHT_UP_TOKENS:
+            return True
+        gain = ad.gain(k, self.t_target, t_draft, ROW_COST)
+        if gain <= 0:
+            return True  # a probe (choose_k's): it is there to measure again, whatever it costs
+        t_read = self.t_read if self.t_read is not None else UNMEASURED_READ_SHARE * t_draft
+        return (seq.params.max_tokens - seq.num_output) * gain > behind * t_read
 
     def _began(self, running: list, candidates: set, now: float) -> None:
         """The guard's clock: a decoding step (drafted or plain) of each candidate begins; other
@@ -317,8 +349,12 @@ class Speculator:
             model_rows, caught_up = {}, True
             if by_source["draft"]:  # the draft model computes while the controllers run
                 jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
+                t_read = time.perf_counter()
                 model_rows = dict(zip(by_source["draft"], self.draft_model.logits(jobs)))
                 caught_up = self.draft_model.fed <= CAUGHT_UP_TOKENS
+                if not caught_up and self.draft_model.fed >= 16:  # a read of what it missed: its cost per token
+                    took = (time.perf_counter() - t_read) / self.draft_model.fed
+                    self.t_read = took if self.t_read is None else _EMA * self.t_read + (1 - _EMA) * took
             for seq, future in tasks.items():
                 answer, seconds = future.result()
                 d = drafts[seq]
