@@ -233,7 +233,7 @@ def _uploads_killed_at_random(state, seed: int, kills: int, first: int) -> dict:
         threads = [threading.Thread(target=upload_loop) for _ in range(2)]
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.1, 1.0))
+        time.sleep(rng.uniform(0.05, 0.6))
         server.kill()
         stop.set()
         for t in threads:

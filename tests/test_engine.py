@@ -100,7 +100,7 @@ def smol_or_tiny(request, tiny):
 def test_cancel_frees_kv_blocks(tiny):
     engine = tiny.engine
     free = engine.block_manager.num_free
-    req = engine.add_request("a long enough prompt " * 5, SamplingParams(max_tokens=100))
+    req = engine.add_request("a long enough prompt " * 5, SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()
     engine.step()
     assert engine.block_manager.num_free < free
