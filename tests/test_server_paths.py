@@ -111,7 +111,7 @@ def test_a_queued_request_waits_then_runs():
         def short(name):
             with s.client() as own:
                 r = own.post("/v1/run", json={"prompt": name, "max_tokens": 3, "stream": False, "ignore_eos": True})
-            done_at[name] = time.monotonic()
+                done_at[name] = time.monotonic()  # (before the client's close, which took longer than c's run once)
             return r
 
         with c.stream("POST", "/v1/run", json={"prompt": "a", **LONG}) as running:
