@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 class Child:
     """A forked CLI process, with the part of subprocess.Popen the tests use."""
 
-    def __init__(self, zygote: "Zygote", pid: int):
-        self.zygote, self.pid = zygote, pid
+    def __init__(self, pid: int):
+        self.pid = pid
         self.returncode: int | None = None
         self._done = threading.Event()
 
@@ -101,7 +101,7 @@ class Zygote:
         pid = self._pids.get(timeout=60)
         if pid is None:
             raise RuntimeError("the zygote died")
-        child = Child(self, pid)
+        child = Child(pid)
         with self._lock:
             if pid in self._early:
                 child._ended(self._early.pop(pid))

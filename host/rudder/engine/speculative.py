@@ -151,18 +151,22 @@ class _Adaptive:
         self.hits = _EMA * self.hits + accepted
         self.tries = _EMA * self.tries + accepted + rejected
 
-    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True, probe: int = 1,
-                 rows: float = ROW_COST) -> int:
-        """The k that maximises expected tokens per second: a draft of k tokens yields
-        (1 - a^(k+1)) / (1 - a) tokens for one target forward over k + 1 positions plus k draft
-        steps (each with a controller call, whose measured time counts when `timed`); each
-        verified position adds `rows` of a one-token forward. 0 = do not
+    def rate(self, k: int, t_target: float, cost: float) -> float:
+        """Expected tokens per second of drafts of k tokens: (1 - a^(k+1)) / (1 - a) tokens for
+        one target forward over k + 1 positions (each extra one ROW_COST of a one-token forward)
+        plus k draft steps of `cost` seconds each."""
+        a = self.alpha
+        return (1 - a ** (k + 1)) / (1 - a) / (t_target * (1 + ROW_COST * k) + k * cost)
+
+    def choose_k(self, k_max: int, t_target: float, t_draft: float, timed: bool = True, probe: int = 1) -> int:
+        """The k that maximises expected tokens per second (`rate`; a draft step's cost includes
+        the controller's call, whose measured time counts when `timed`). 0 = do not
         draft this step (then every PROBE_EVERY steps a probe of `probe` tokens: a draft model's
         probe drafts 2, since only its second round is timed - see CAUGHT_UP_TOKENS)."""
-        a, cost = self.alpha, t_draft + (self.ctl_time if timed else 0.0)
+        cost = t_draft + (self.ctl_time if timed else 0.0)
         best, best_rate = 0, 1.0 / t_target
         for k in range(1, k_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (t_target * (1 + rows * k) + k * cost)
+            rate = self.rate(k, t_target, cost)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
@@ -173,13 +177,9 @@ class _Adaptive:
             self.idle = 0
         return best
 
-    def gain(self, k: int, t_target: float, t_draft: float, rows: float) -> float:
+    def gain(self, k: int, t_target: float, t_draft: float) -> float:
         """Seconds saved per output token by drafts of k tokens (expected; <= 0: none)."""
-        if k <= 0:
-            return 0.0
-        a, cost = self.alpha, t_draft + self.ctl_time
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        return t_target - (t_target * (1 + rows * k) + k * cost) / tokens
+        return t_target - 1.0 / self.rate(k, t_target, t_draft + self.ctl_time) if k > 0 else 0.0
 
     def step(self, now: float, length: int) -> None:
         """A new step begins: the one that just ended took now - then and added length - then's.
@@ -316,7 +316,7 @@ class Speculator:
         behind = len(seq) - len(self.draft_model.cached.get(seq.seq_id, ()))
         if behind <= CAUGHT_UP_TOKENS:
             return True
-        gain = ad.gain(k, self.t_target, t_draft, ROW_COST)
+        gain = ad.gain(k, self.t_target, t_draft)
         if gain <= 0:
             return True  # a probe (choose_k's): it is there to measure again, whatever it costs
         t_read = self.t_read if self.t_read is not None else UNMEASURED_READ_SHARE * t_draft
@@ -349,11 +349,11 @@ class Speculator:
             model_rows, caught_up = {}, True
             if by_source["draft"]:  # the draft model computes while the controllers run
                 jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
-                t_read = time.perf_counter()
+                read_from = time.perf_counter()
                 model_rows = dict(zip(by_source["draft"], self.draft_model.logits(jobs)))
                 caught_up = self.draft_model.fed <= CAUGHT_UP_TOKENS
                 if not caught_up and self.draft_model.fed >= 16:  # a read of what it missed: its cost per token
-                    took = (time.perf_counter() - t_read) / self.draft_model.fed
+                    took = (time.perf_counter() - read_from) / self.draft_model.fed
                     self.t_read = took if self.t_read is None else _EMA * self.t_read + (1 - _EMA) * took
             for seq, future in tasks.items():
                 answer, seconds = future.result()
