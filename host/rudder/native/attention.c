@@ -4,14 +4,17 @@
  * into the cache, gathering every sequence's whole context through its block table, a padded
  * SDPA, regrouping the rows) is done here in two passes that read the cache in place:
  *   1. every new token's k (rotated) and v go into its KV slot, converted to the cache's type;
- *   2. every (token, KV head) pair: the rotated, scaled queries of the heads that share that KV
- *      head attend over positions 0..position of their sequence, read through the block table
- *      in tiles of 16 keys with an online softmax (running max and sum, rescaled per tile).
- *      A tile's 16 dot products are summed lane-wise and then reduced together (a transpose
- *      tree), so the scores come out as one vector and exp runs 16 lanes wide.
+ *   2. every (group, KV head) pair: a group is a run of consecutive tokens of one sequence (a
+ *      decoding token alone, a verified draft, a prefill chunk of up to 16); the rotated, scaled
+ *      queries of the heads that share that KV head attend over positions 0..position of their
+ *      sequence, read through the block table in tiles of 16 keys with an online softmax
+ *      (running max and sum, rescaled per tile). A group widens each tile once and all its rows
+ *      use it (a 9-row verification at 600 tokens of context: attention 0.75x the time of one
+ *      item per row). A tile's 16 dot products are summed lane-wise and then reduced together
+ *      (a transpose tree), so the scores come out as one vector and exp runs 16 lanes wide.
  * Each query's arithmetic depends only on its own sequence's cache and position - never on the
- * batch or on how the pairs are split over threads - so a token decoded alone and the same
- * token verified among drafted ones get the same result. RoPE uses the same operations in the
+ * batch, the group or how the items are split over threads - so a token decoded alone and the
+ * same token verified among drafted ones get the same result (tests/test_native_attention.py). RoPE uses the same operations in the
  * same order as model.apply_rope (no fused multiply-add), so keys written here and keys written
  * by a prefill through torch are bit for bit the same.
  *
@@ -23,15 +26,20 @@
  */
 #include "kernels.h"
 
+#include <stdlib.h>
+
 typedef struct {
     const rudder_attn_step *s;
     const void *qkv;
     void *k_cache, *v_cache, *out;
+    const int64_t *group_first, *group_rows; /* per group: its first token, its number of rows */
 } attn_call;
 
 #define TILE 16
 #define MAX_D 256
 #define MAX_REP 16
+#define MAX_GROUP 16 /* rows per group; fewer where a group's queries would pass STATE_VECS */
+#define STATE_VECS 512 /* 16-float vectors of queries (and as many of accumulators) per item */
 
 /* x (rotate-half RoPE at one position) into dst, fp32: dst[i] = x[i]*c[i] + rot[i]*s[i]. */
 static void rope(float *dst, const void *x, int bf16, int64_t at, const float *c, const float *s, int64_t d) {
@@ -76,13 +84,26 @@ static inline v16f exp16_neg(v16f x) {
     return p * scale;
 }
 
+/* Lane i takes lane i + w, for w = 8, 4, 2, 1: a fixed order of operations in registers. */
+#define FOLD16(v, op)                                                                              \
+    do {                                                                                           \
+        v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)); \
+        v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));     \
+        v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));     \
+        v = op(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));     \
+    } while (0)
+#define MAX_OP(a, b) __builtin_elementwise_max(a, b)
+#define ADD_OP(a, b) ((a) + (b))
+
 static inline float hmax16(v16f v) {
-    float s[16];
-    memcpy(s, &v, sizeof s);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++)
-            s[i] = s[i] > s[i + w] ? s[i] : s[i + w];
-    return s[0];
+    FOLD16(v, MAX_OP);
+    return v[0];
+}
+
+/* The sum of kernels.h's hsum16 (the same additions in the same order), without memory. */
+static inline float vsum16(v16f v) {
+    FOLD16(v, ADD_OP);
+    return v[0];
 }
 
 /* 16 lane-wise partial dot products (one per key) -> one vector of their 16 sums (key j in
@@ -102,75 +123,115 @@ static inline v16f reduce16(const v16f p[16]) {
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* One (token, KV head): D and REP are compile-time constants in the specialised copies below
- * (the accumulators then live in registers), runtime values in the generic one. */
-#define ATTEND_BODY(D, REP)                                                                        \
+/* One (group, KV head) item: the rows of a group are consecutive tokens of one sequence (a
+ * drafted continuation, or a chunk of a prefill), so they attend over the same keys: each tile
+ * of keys and values is read from the cache once, widened to fp32, and used by every row of the
+ * group. A row's arithmetic is exactly what it would be alone (a group of one): the same tiles,
+ * the same sums in the same order. A row whose context ends inside a tile masks the keys past its
+ * end, as the last key repeated would be; keys past the end of a row's context add exactly 0
+ * (their score is -1e30 whatever the key). D and REP are compile-time constants in the
+ * specialised copies below (a row's accumulators then live in registers), runtime values in the
+ * generic one. */
+#define ATTEND_BODY(D, REP, SHARED)                                                                \
     const attn_call *call = (const attn_call *)p;                                                  \
     const rudder_attn_step *s = call->s;                                                           \
     int64_t h = s->heads, kvh = s->kv_heads, row = (h + 2 * kvh) * (D);                            \
-    int64_t t = item / kvh, g = item % kvh, bs = s->block_size;                                    \
-    int64_t pos = s->positions[t], ctx = pos + 1;                                                  \
-    const int64_t *table = s->tables + s->seq_of[t] * s->width;                                    \
+    int64_t g = item % kvh, t0 = call->group_first[item / kvh];                                    \
+    int64_t rows = (SHARED) ? call->group_rows[item / kvh] : 1;                                    \
+    int64_t bs = s->block_size, pos0 = s->positions[t0], ctx_all = pos0 + rows;                    \
+    const int64_t *table = s->tables + s->seq_of[t0] * s->width;                                   \
     int cb = s->cache_bf16;                                                                        \
-    v16f q[REP][(D) / 16], acc[REP][(D) / 16];                                                     \
-    float m[REP], l[REP];                                                                          \
-    for (int r = 0; r < (REP); r++) {                                                              \
-        float qf[MAX_D];                                                                           \
-        rope(qf, call->qkv, s->x_bf16, t * row + (g * (REP) + r) * (D), s->cos + pos * (D),        \
-             s->sin + pos * (D), (D));                                                             \
-        for (int c = 0; c < (D) / 16; c++) {                                                       \
-            q[r][c] = load16_f32(qf + 16 * c) * s->scale;                                          \
-            acc[r][c] = (v16f){0};                                                                 \
+    /* (sized for one row when not SHARED: its state then lives in registers) */                \
+    v16f q[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)], acc[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)]; \
+    v16f kt[(SHARED) ? TILE : 1][(D) / 16], vt[(SHARED) ? TILE : 1][(D) / 16];                     \
+    float m[(SHARED) ? STATE_VECS / 4 : (REP)], l[(SHARED) ? STATE_VECS / 4 : (REP)];              \
+    for (int64_t i = 0; i < rows; i++)                                                             \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            int64_t t = t0 + i, pos = pos0 + i, at = i * (REP) + r;                                \
+            float qf[MAX_D];                                                                       \
+            rope(qf, call->qkv, s->x_bf16, t * row + (g * (REP) + r) * (D), s->cos + pos * (D),    \
+                 s->sin + pos * (D), (D));                                                         \
+            for (int c = 0; c < (D) / 16; c++) {                                                   \
+                q[at * ((D) / 16) + c] = load16_f32(qf + 16 * c) * s->scale;                       \
+                acc[at * ((D) / 16) + c] = (v16f){0};                                              \
+            }                                                                                      \
+            m[at] = -1e30f;                                                                        \
+            l[at] = 0.0f;                                                                          \
         }                                                                                          \
-        m[r] = -1e30f;                                                                             \
-        l[r] = 0.0f;                                                                               \
-    }                                                                                              \
-    for (int64_t p0 = 0; p0 < ctx; p0 += TILE) {                                                   \
-        int n = ctx - p0 < TILE ? (int)(ctx - p0) : TILE;                                          \
+    for (int64_t p0 = 0; p0 < ctx_all; p0 += TILE) {                                               \
+        int n_all = ctx_all - p0 < TILE ? (int)(ctx_all - p0) : TILE;                              \
+        int64_t run = bs % TILE == 0 ? (table[p0 / bs] * bs + p0 % bs) * kvh : -1;                 \
         int64_t at[TILE];                                                                          \
         for (int j = 0; j < TILE; j++) {                                                           \
-            int64_t kp = p0 + (j < n ? j : n - 1); /* past the end: repeat the last key */         \
-            at[j] = ((table[kp / bs] * bs + kp % bs) * kvh + g) * (D);                             \
+            int64_t kp = p0 + (j < n_all ? j : n_all - 1); /* past the end: the last key again */  \
+            /* a tile lies in one block when blocks hold whole tiles: one lookup per tile */        \
+            at[j] = ((run >= 0 ? run + (kp - p0) * kvh : (table[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
+            for (int c = 0; SHARED && c < (D) / 16; c++) {                                         \
+                kt[j][c] = load16(call->k_cache, cb, at[j] + 16 * c);                              \
+                vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                              \
+            }                                                                                      \
         }                                                                                          \
-        v16f sc[REP];                                                                              \
-        for (int r = 0; r < (REP); r++) {                                                          \
-            v16f part[TILE];                                                                       \
-            for (int j = 0; j < TILE; j++) {                                                       \
-                v16f a = (v16f){0};                                                                \
+        /* rows whose context ends before this tile are done: the first row to attend is the   \
+           first whose context reaches p0 (row i's context is pos0 + i + 1) */                     \
+        for (int64_t i = (SHARED) && p0 > pos0 ? p0 - pos0 : 0; i < rows; i++) {                   \
+            int64_t left = pos0 + i + 1 - p0;                                                      \
+            int n = left < TILE ? (int)left : TILE;                                                \
+            v16f valid = (v16f){0};                                                                \
+            for (int j = 0; j < TILE; j++)                                                         \
+                valid[j] = j < n ? 0.0f : -1e30f;                                                  \
+            v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);             \
+            float *mi = m + i * (REP), *li = l + i * (REP);                                        \
+            v16f sc[REP];                                                                          \
+            for (int r = 0; r < (REP); r++) {                                                      \
+                v16f part[TILE];                                                                   \
+                for (int j = 0; j < TILE; j++) {                                                   \
+                    v16f a = (v16f){0};                                                            \
+                    for (int c = 0; c < (D) / 16; c++)                                             \
+                        a += qi[r * ((D) / 16) + c] * KEY(j, c, SHARED);                                \
+                    part[j] = a;                                                                   \
+                }                                                                                  \
+                sc[r] = reduce16(part);                                                            \
+            }                                                                                      \
+            for (int r = 0; r < (REP); r++) {                                                      \
+                v16f x = sc[r] + valid;                                                            \
+                float top = hmax16(x);                                                             \
+                top = top > mi[r] ? top : mi[r];                                                   \
+                float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
+                sc[r] = exp16_neg(x - top);                                                        \
+                li[r] = li[r] * corr + vsum16(sc[r]);                                              \
+                mi[r] = top;                                                                       \
                 for (int c = 0; c < (D) / 16; c++)                                                 \
-                    a += q[r][c] * load16(call->k_cache, cb, at[j] + 16 * c);                      \
-                part[j] = a;                                                                       \
+                    ai[r * ((D) / 16) + c] *= corr;                                                \
             }                                                                                      \
-            sc[r] = reduce16(part);                                                                \
+            for (int j = 0; j < n; j++)                                                            \
+                for (int c = 0; c < (D) / 16; c++) {                                               \
+                    v16f vv = VALUE(j, c, SHARED);                                                 \
+                    for (int r = 0; r < (REP); r++)                                                \
+                        ai[r * ((D) / 16) + c] += sc[r][j] * vv;                                   \
+                }                                                                                  \
         }                                                                                          \
-        v16f valid = (v16f){0};                                                                    \
-        for (int j = 0; j < TILE; j++)                                                             \
-            valid[j] = j < n ? 0.0f : -1e30f;                                                      \
-        for (int r = 0; r < (REP); r++) {                                                          \
-            v16f x = sc[r] + valid;                                                                \
-            float top = hmax16(x);                                                                 \
-            top = top > m[r] ? top : m[r];                                                         \
-            float corr = exp16_neg((v16f){0} + (m[r] - top))[0];                                   \
-            sc[r] = exp16_neg(x - top);                                                            \
-            l[r] = l[r] * corr + hsum16(sc[r]);                                                    \
-            m[r] = top;                                                                            \
-            for (int c = 0; c < (D) / 16; c++)                                                     \
-                acc[r][c] *= corr;                                                                 \
-        }                                                                                          \
-        for (int j = 0; j < n; j++)                                                                \
-            for (int c = 0; c < (D) / 16; c++) {                                                   \
-                v16f vv = load16(call->v_cache, cb, at[j] + 16 * c);                               \
-                for (int r = 0; r < (REP); r++)                                                    \
-                    acc[r][c] += sc[r][j] * vv;                                                    \
-            }                                                                                      \
     }                                                                                              \
-    for (int r = 0; r < (REP); r++)                                                                \
-        for (int c = 0; c < (D) / 16; c++)                                                         \
-            store16(call->out, s->x_bf16, t * h * (D) + (g * (REP) + r) * (D) + 16 * c,              \
-                    acc[r][c] * (1.0f / l[r]));
+    for (int64_t i = 0; i < rows; i++)                                                             \
+        for (int r = 0; r < (REP); r++)                                                            \
+            for (int c = 0; c < (D) / 16; c++)                                                     \
+                store16(call->out, s->x_bf16, (t0 + i) * h * (D) + (g * (REP) + r) * (D) + 16 * c,   \
+                        acc[(i * (REP) + r) * ((D) / 16) + c] * (1.0f / l[i * (REP) + r]));
+
+/* A group of one row (a decoding token) reads the cache directly: copying its tiles would cost
+ * more than it saves. */
+#define KEY(j, c, SHARED) (SHARED ? kt[j][c] : load16(call->k_cache, cb, at[j] + 16 * (c)))
+#define VALUE(j, c, SHARED) (SHARED ? vt[j][c] : load16(call->v_cache, cb, at[j] + 16 * (c)))
 
 #define ATTEND(D, REP)                                                                             \
-    static void attend_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP) }
+    static void attend_one_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP, 0) }           \
+    static void attend_group_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP, 1) }         \
+    static void attend_##D##_##REP(void *p, int64_t item) {                                        \
+        const attn_call *call = (const attn_call *)p;                                              \
+        if (call->group_rows[item / call->s->kv_heads] > 1)                                        \
+            attend_group_##D##_##REP(p, item);                                                     \
+        else                                                                                       \
+            attend_one_##D##_##REP(p, item);                                                       \
+    }
 ATTEND(16, 1) ATTEND(16, 2) ATTEND(16, 3) ATTEND(16, 4)
 ATTEND(64, 1) ATTEND(64, 2) ATTEND(64, 3) ATTEND(64, 4) ATTEND(64, 5) ATTEND(64, 6) ATTEND(64, 7) ATTEND(64, 8)
 ATTEND(128, 1) ATTEND(128, 2) ATTEND(128, 3) ATTEND(128, 4) ATTEND(128, 5) ATTEND(128, 6) ATTEND(128, 7) ATTEND(128, 8)
@@ -179,7 +240,7 @@ ATTEND(128, 1) ATTEND(128, 2) ATTEND(128, 3) ATTEND(128, 4) ATTEND(128, 5) ATTEN
 static void attend_any(void *p, int64_t item) {
     const rudder_attn_step *shape = ((const attn_call *)p)->s;
     int64_t d = shape->head_dim, rep = shape->heads / shape->kv_heads;
-    ATTEND_BODY(d, rep)
+    ATTEND_BODY(d, rep, 1)
 }
 
 static rudder_chunk_fn pick(int64_t d, int64_t rep) {
@@ -191,13 +252,36 @@ static rudder_chunk_fn pick(int64_t d, int64_t rep) {
     return attend_any;
 }
 
+/* Splits the tokens into groups: runs of consecutive positions of one sequence, each at most
+ * `most` rows; returns how many. */
+static int64_t make_groups(const rudder_attn_step *s, int64_t most, int64_t *first, int64_t *rows) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < s->tokens; t++) {
+        if (n > 0 && rows[n - 1] < most && s->seq_of[t] == s->seq_of[t - 1] &&
+            s->positions[t] == s->positions[t - 1] + 1) {
+            rows[n - 1]++;
+            continue;
+        }
+        first[n] = t;
+        rows[n++] = 1;
+    }
+    return n;
+}
+
 /* 0 on success; -1 for a shape the kernel does not take (the caller checks first). */
 int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, void *v_cache, void *out) {
     int64_t d = s->head_dim, rep = s->kv_heads > 0 ? s->heads / s->kv_heads : 0;
     if (d % 16 != 0 || d > MAX_D || rep < 1 || rep > MAX_REP || rep * s->kv_heads != s->heads)
         return -1;
-    attn_call call = {s, qkv, k_cache, v_cache, out};
+    int64_t most = STATE_VECS / (rep * (d / 16));
+    most = most < MAX_GROUP ? most : MAX_GROUP;
+    int64_t *groups = (int64_t *)malloc(2 * (size_t)s->tokens * sizeof(int64_t));
+    if (groups == NULL)
+        return -2;
+    int64_t n = make_groups(s, most, groups, groups + s->tokens);
+    attn_call call = {s, qkv, k_cache, v_cache, out, groups, groups + s->tokens};
     rudder_parallel_for(write_kv, &call, s->tokens, s->tokens >= 16 ? s->threads : 1);
-    rudder_parallel_for(pick(d, rep), &call, s->tokens * s->kv_heads, s->threads);
+    rudder_parallel_for(pick(d, rep), &call, n * s->kv_heads, s->threads);
+    free(groups);
     return 0;
 }
