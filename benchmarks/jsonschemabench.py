@@ -3,8 +3,8 @@ and outlines-core, on the same files in one run.
 
     .venv/bin/python benchmarks/jsonschemabench.py [--data ../shared/jsonschemabench]
         [--engines ours,llguidance,xgrammar,outlines] [--timeout 20] [--only PREFIX,...]
-        [--limit N] [--json benchmarks/results/jsonschemabench.json] [--plot jsonschemabench.png]
-        [--resume]
+        [--limit N] [--timing mask|step] [--json benchmarks/results/jsonschemabench.json]
+        [--plot jsonschemabench.png] [--resume]
 
 The data: JSONSchemaBench files in MaskBench's format, `{"schema", "tests": [{"data", "valid"}]}`
 (the default folder is `../shared/jsonschemabench` from the repository root). A file's source
@@ -33,7 +33,11 @@ backtrack (caches stay warm, as the peers' `reset()`). llguidance: `LLMatcher` w
 `whitespace_flexible` per mode, `fill_next_token_bitmask`. xgrammar: `compile_json_schema`
 (`any_whitespace`, compact separators), `GrammarMatcher.fill_next_token_bitmask`.
 outlines-core: `build_regex_from_schema` (whitespace pattern `""` or `[ \\t\\n\\r]*`), `Index`,
-`Guide.write_mask_into`. Consuming a token is not timed for the peers.
+`Guide.write_mask_into`. With `--timing mask` (the default) consuming a token is not timed for
+the peers: their time is the mask fill alone, ours the whole step. `--timing step` times the
+peers' step as a decoding loop pays it, consuming the sampled token and filling the next mask
+(`consume_token` / `accept_token` / `advance`, then the fill), which is what ours does in its one
+call: a like-for-like comparison (the first mask, before any token, is not timed for anyone).
 
 A full run takes hours (the peers' slow compiles and timeouts). With `--json`, the records so
 far are saved every 50 files (`"partial": true`, the mask times beside it in `FILE.masks.npz`);
@@ -112,7 +116,7 @@ class Ours:
             raise CompileError(f"{e.kind}: {str(e)[:300]}") from None
         return {"ctl": ctl, "generated": None}
 
-    def walk(self, m, ids: list[int]):
+    def walk(self, m, ids: list[int], step: bool = False):  # (one call: always the whole step)
         from rudder.controller import ControllerError
 
         ctl = m["ctl"]
@@ -163,16 +167,24 @@ class LLGuidance:
             raise CompileError(m.get_error()[:300])
         return m
 
-    def walk(self, m, ids):
+    def walk(self, m, ids, step: bool = False):
         m.reset()
         times = []
+        t0 = time.perf_counter()
         for i, t in enumerate(ids):
-            t0 = time.perf_counter()
+            if not step:
+                t0 = time.perf_counter()
             self.llnp.fill_next_token_bitmask(m, self.bitmask, 0)
-            times.append(time.perf_counter() - t0)
-            if not _allowed(self.bitmask[0], t) or not m.consume_token(t):
+            if i or not step:
+                times.append(time.perf_counter() - t0)
+            if not _allowed(self.bitmask[0], t):
+                return False, times, i
+            t0 = time.perf_counter()
+            if not m.consume_token(t):
                 return False, times, i
         self.llnp.fill_next_token_bitmask(m, self.bitmask, 0)
+        if step and ids:
+            times.append(time.perf_counter() - t0)
         return _allowed(self.bitmask[0], self.eos) or m.is_stopped(), times, len(ids)
 
     def close(self, m):
@@ -201,16 +213,24 @@ class XGrammar:
         except Exception as e:   # noqa: BLE001
             raise CompileError(str(e)[:300]) from None
 
-    def walk(self, m, ids):
+    def walk(self, m, ids, step: bool = False):
         m.reset()
         times = []
+        t0 = time.perf_counter()
         for i, t in enumerate(ids):
-            t0 = time.perf_counter()
+            if not step:
+                t0 = time.perf_counter()
             m.fill_next_token_bitmask(self.bitmask)
-            times.append(time.perf_counter() - t0)
-            if not _allowed(self.bitmask[0], t) or not m.accept_token(t):
+            if i or not step:
+                times.append(time.perf_counter() - t0)
+            if not _allowed(self.bitmask[0], t):
+                return False, times, i
+            t0 = time.perf_counter()
+            if not m.accept_token(t):
                 return False, times, i
         m.fill_next_token_bitmask(self.bitmask)
+        if step and ids:
+            times.append(time.perf_counter() - t0)
         return _allowed(self.bitmask[0], self.eos) or m.is_terminated(), times, len(ids)
 
     def close(self, m):
@@ -238,21 +258,27 @@ class Outlines:
         except BaseException as e:   # noqa: BLE001 - pyo3 panics are BaseException
             raise CompileError(str(e)[:300]) from None
 
-    def walk(self, g, ids):
+    def walk(self, g, ids, step: bool = False):
         g.reset()
         times = []
         mask = self.mask
+        t0 = time.perf_counter()
         for i, t in enumerate(ids):
-            t0 = time.perf_counter()
+            if not step:
+                t0 = time.perf_counter()
             g.write_mask_into(mask.ctypes.data, mask.size, 4)
-            times.append(time.perf_counter() - t0)
+            if i or not step:
+                times.append(time.perf_counter() - t0)
             if not _allowed(mask.view(np.uint32), t):
                 return False, times, i
+            t0 = time.perf_counter()
             try:
                 g.advance(t, return_tokens=False)
             except BaseException:   # noqa: BLE001
                 return False, times, i
         g.write_mask_into(mask.ctypes.data, mask.size, 4)
+        if step and ids:
+            times.append(time.perf_counter() - t0)
         return _allowed(mask.view(np.uint32), self.eos) or g.is_finished(), times, len(ids)
 
     def close(self, g):
@@ -262,7 +288,7 @@ class Outlines:
 MAKERS = {"ours": Ours, "llguidance": LLGuidance, "xgrammar": XGrammar, "outlines": Outlines}
 
 
-def run_schema(engine, tok, path: Path) -> dict:
+def run_schema(engine, tok, path: Path, step: bool = False) -> dict:
     """Compile and walk one file on one engine (both modes)."""
     doc = json.loads(path.read_text(encoding="utf-8"))
     schema, tests = doc["schema"], doc.get("tests", [])
@@ -279,7 +305,7 @@ def run_schema(engine, tok, path: Path) -> dict:
             for k, test in enumerate(tests):
                 text = instance_texts(test["data"])[1 if flexible else 0]
                 ids = tok.encode(text)
-                accepted, times, at = engine.walk(m, ids)
+                accepted, times, at = engine.walk(m, ids, step)
                 res["mask_us"] += [x * 1e6 for x in times]
                 walk = {"test": k, "flexible": flexible, "valid": bool(test["valid"]), "accepted": accepted,
                         "at": at, "n": len(ids)}
@@ -291,7 +317,7 @@ def run_schema(engine, tok, path: Path) -> dict:
     return res
 
 
-def worker(name: str, data_dir: str, conn) -> None:
+def worker(name: str, data_dir: str, conn, step: bool = False) -> None:
     """Serves one engine: receives file names, answers result dicts (or None for 'done')."""
     from rudder.model_files import fetch_model
     from rudder.tokenizer import Tokenizer
@@ -312,7 +338,7 @@ def worker(name: str, data_dir: str, conn) -> None:
         if file_name is None:
             return
         try:
-            res = run_schema(engine, tok, Path(data_dir) / file_name)
+            res = run_schema(engine, tok, Path(data_dir) / file_name, step)
         except Exception:   # noqa: BLE001 - a crash of the engine on this schema is its result
             res = {"compile_ms": [], "error": "crash: " + traceback.format_exc(limit=2)[-300:], "walks": [], "mask_us": []}
         conn.send(res)
@@ -321,8 +347,8 @@ def worker(name: str, data_dir: str, conn) -> None:
 class Worker:
     """One engine's worker process; restarted after a timeout."""
 
-    def __init__(self, name: str, data_dir: Path):
-        self.name, self.data_dir = name, str(data_dir)
+    def __init__(self, name: str, data_dir: Path, step: bool = False):
+        self.name, self.data_dir, self.step = name, str(data_dir), step
         self.proc = None
         self.unavailable = None
         self.start()
@@ -330,7 +356,7 @@ class Worker:
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker, args=(self.name, self.data_dir, child), daemon=True)
+        self.proc = ctx.Process(target=worker, args=(self.name, self.data_dir, child, self.step), daemon=True)
         self.proc.start()
         hello = self.conn.recv()
         self.unavailable = hello.get("unavailable")
@@ -549,6 +575,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the summary and per-schema records here")
     ap.add_argument("--plot", type=Path, help="draw passing per subset and mask times (PNG)")
     ap.add_argument("--resume", action="store_true", help="go on from the checkpoint in --json")
+    ap.add_argument("--timing", choices=("mask", "step"), default="mask",
+                    help="the peers' timed unit: the mask fill alone, or consuming a token and the next fill")
     args = ap.parse_args()
     if args.resume and not args.json:
         ap.error("--resume needs --json (the checkpoint)")
@@ -564,7 +592,7 @@ def main() -> None:
     if not files:
         ap.error(f"no .json files in {args.data}")
 
-    workers = {e: Worker(e, args.data) for e in engines}
+    workers = {e: Worker(e, args.data, args.timing == "step") for e in engines}
     for e, w in list(workers.items()):
         if w.unavailable:
             print(f"{e}: {w.unavailable}")
@@ -619,7 +647,7 @@ def main() -> None:
                                       np.concatenate([masks[e][i] for i in common]) if common else np.zeros(0))
                          for e in workers}
     print(f"\n{len(files)} files from {args.data}; SmolLM2 vocabulary; timeout {args.timeout:g} s per schema and engine;"
-          f" {time.perf_counter() - t_start:.0f} s\n")
+          f" {time.perf_counter() - t_start:.0f} s; timing: {args.timing}\n")
     print(HEADER)
     for e in workers:
         print(f"{e:<11} {fmt(summary['total'][e])}")
@@ -664,6 +692,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"files": len(files), "data": str(args.data), "timeout_s": args.timeout,
+                                         "timing": args.timing,
                                          "summary": summary, "records": records}, indent=1) + "\n")
         print(f"saved {args.json}")
     if args.plot:
