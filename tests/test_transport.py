@@ -80,3 +80,16 @@ def test_cli_pipeline_on_cuda_without_cuda_is_one_line():
     assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
     assert "--device cuda: no CUDA device is available to this torch" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_tensor_on_the_control_group_leaves_the_gpu_first():
+    # A last stage on a GPU sends logits rows back over gloo (speculative verification); raw gloo
+    # would read the device pointer as host memory (writev: Bad address, and the process aborts).
+    groups = _groups("gpu-control", dist.HashStore())
+    sender, receiver = Link(groups[0], timeout=10, device="cuda"), Link(groups[1], timeout=10, device="cuda")
+    rows = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    sender.send(rows.t(), 1, TOKENS)  # a non-contiguous view as well
+    got = receiver.recv((4, 3), torch.float32, 0, TOKENS)
+    sender.flush()
+    assert got.device.type == "cpu" and torch.equal(got, rows.t().cpu())

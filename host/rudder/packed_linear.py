@@ -262,6 +262,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
     k = weight.shape[1]
     native = kernels.available(device)
     if device.type != "cpu":  # GPUs: plain matmuls; the head in fp32 (bandwidth is no concern there)
+        if precision == "int8":  # int8's weights, dequantised: its numbers (not its bytes), as elsewhere
+            codes, scales = quantize_int8(weight)
+            weight = codes.float() * scales[:, None]
         return TorchLinear(weight.float() if head else weight.to(act), bias, torch.float32 if head else None)
     if precision == "int8":
         if native and k % 4 == 0:

@@ -33,7 +33,7 @@ import torch
 from ..branch import Branch
 from .branching import Sample, ends_sequence, mask_allows, tokens_after
 from .drafts import DraftModel, PromptLookup, build_draft_model
-from .sampler import Sampler, keep_nucleus
+from .sampler import Sampler, argmax, keep_nucleus
 
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
@@ -444,7 +444,7 @@ class Speculator:
         if torch.isneginf(row.max()):
             return None, None
         if seq.params.temperature == 0:
-            return int(row.numpy().argmax()), None
+            return int(argmax(row)), None
         q = _probs(row, seq.params)
         return _inverse_cdf(q, seq.rng.random()), q
 
@@ -537,7 +537,7 @@ class Speculator:
             self.sampler.apply_masks(row.unsqueeze(0), [step.branch.mask])
         params = seq.params
         if params.temperature == 0:
-            best = int(row.numpy().argmax())
+            best = int(argmax(row))
             return best == token, best
         p = _probs(row, params)
         q_token = 1.0 if step.q is None else float(step.q[token])  # prompt lookup proposes with certainty

@@ -100,9 +100,15 @@ class Link:
         return self.data if tag == ACT and self.data is not None else self.group
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        group = self._group(tag)
+        # gloo reads host memory: what goes over it (everything but NCCL's activations; a last
+        # stage's logits rows for a speculative verification, say) leaves the GPU first, as
+        # `recv` receives it into host memory.
         tensor = tensor.contiguous()
+        if group is not self.data and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
         try:
-            self.sends.append((self.step, self._group(tag).send([tensor], dst, tag), tensor))
+            self.sends.append((self.step, group.send([tensor], dst, tag), tensor))
         except RuntimeError as e:
             raise LinkError(f"send to rank {dst} failed: {_short(e)}") from e
 
