@@ -9,6 +9,7 @@ otherwise. Set RUDDER_NO_NATIVE=1 to turn them (and the other native code) off.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -19,11 +20,13 @@ __all__ = ["available", "AttentionStep", "DecoderStack", "attention", "linear", 
 
 OP_NONE, OP_ADD, OP_SWIGLU = 0, 1, 2  # epilogues of the linear kernels (native/linear.c)
 
-# Rows below which a kernel runs on one thread. Up to a tile of 16 rows a bf16 layer costs what
-# one row costs (AMX pads them: the weights' bytes set the time), and one core already takes the
-# memory bandwidth in full here (a 270 MB read: 6.7 GB/s on one thread, 6.4 on two); a second
-# thread then only adds a hand-over per call (~150 per step). Measured on this shared host, a
-# 5-row bf16 forward (a speculative verification) took 29 ms on 1 thread and 42 on 2.
+# With AMX, rows below which a kernel runs on one thread: up to a tile of 16 rows a bf16 layer
+# costs what one row costs (AMX pads them: the weights' bytes set the time), and there one core
+# took the memory bandwidth in full (a 270 MB read: 6.7 GB/s on one thread, 6.4 on two). On the
+# vector path (AVX-512 BF16 / VNNI, no AMX) the kernels compute more than they read: two threads
+# decoded SmolLM2 bf16 1.36x faster than one at batch 1 on a quiet host, and 0.6x as fast while
+# two other processes kept both cores busy. So there the decoder's calls time both counts
+# (ThreadChoice) and keep the faster.
 SINGLE_THREAD_ROWS = 16
 
 _lib = None
@@ -52,8 +55,61 @@ def _kernels():
     return _lib or None
 
 
+class ThreadChoice:
+    """The thread count of the native decoder's calls, by measurement: per size class of the call
+    (rows rounded to a power of two), the current choice runs every call and is timed; now and
+    then one call runs with the other count, and if it was faster than the current choice's
+    recent calls by MARGIN, it becomes the choice. A probe that loses doubles the wait before
+    the next (PROBE_MIN to PROBE_MAX calls). Results never depend on it (parallel.c)."""
+
+    PROBE_MIN, PROBE_MAX, MARGIN, EMA = 8, 512, 0.05, 0.7
+
+    def __init__(self):
+        self.state: dict[int, list] = {}  # size class -> [threads, seconds (EMA), calls to probe, interval]
+
+    def pick(self, rows: int) -> int:
+        many = torch.get_num_threads()
+        if many == 1 or (native.amx_usable() and rows < SINGLE_THREAD_ROWS):
+            return 1
+        st = self.state.setdefault(rows.bit_length(), [many, None, self.PROBE_MIN, self.PROBE_MIN])
+        _latest[rows.bit_length()] = st[0]
+        if st[1] is not None and st[2] <= 0:
+            return 1 if st[0] != 1 else many  # the probe: the other count, once
+        return st[0]
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        st = self.state.get(rows.bit_length())
+        if st is None:
+            return
+        if threads == st[0]:
+            st[1] = seconds if st[1] is None else self.EMA * st[1] + (1 - self.EMA) * seconds
+            st[2] -= 1
+        elif seconds < st[1] * (1 - self.MARGIN):  # the probe won: switch, and check again soon
+            st[:] = [threads, seconds, self.PROBE_MIN, self.PROBE_MIN]
+        else:
+            st[3] = min(2 * st[3], self.PROBE_MAX)
+            st[2] = st[3]
+
+
+
+_latest: dict[int, int] = {}  # size class -> the count a decoder stack chose last
+
+
 def _threads(rows: int) -> int:
-    return 1 if rows < SINGLE_THREAD_ROWS else torch.get_num_threads()
+    """Threads for a kernel called outside a decoder stack (the LM head, the torch path's
+    attention): what the decoder chose last for calls of this size."""
+    many = torch.get_num_threads()
+    if many == 1 or (native.amx_usable() and rows < SINGLE_THREAD_ROWS):
+        return 1
+    return _latest.get(rows.bit_length(), many)
+
+
+def parallel_stats() -> dict:
+    """The native helper pool's counts: jobs that could use helpers, jobs run inline because
+    a helper came late just before, late helpers seen (native/parallel.c)."""
+    out = native.ffi.new("int64_t[3]")
+    _kernels().rudder_parallel_stats(out)
+    return {"jobs": out[0], "inline": out[1], "late": out[2]}
 
 
 def available(device: torch.device | str = "cpu") -> bool:
@@ -127,6 +183,7 @@ class DecoderStack:
     def __init__(self, layers: list[tuple], hidden: int, eps: float):
         self.keep = []
         self.hidden, self.eps, self.count = hidden, eps, len(layers)
+        self.threads = ThreadChoice()
         self.array = native.ffi.new("rudder_layer[]", len(layers))
         for entry, (norm1, norm2, *dense) in zip(self.array, layers):
             entry.norm1, entry.norm2 = self._ptr(norm1), self._ptr(norm2)
@@ -149,9 +206,14 @@ class DecoderStack:
         hook = take_before_decoder()
         if hook is not None:
             hook()
+        rows = x.shape[0]
+        threads = self.threads.pick(rows)
+        step.struct.threads = threads
+        t0 = time.perf_counter()
         if _kernels().rudder_decoder(self.array, self.count, step.struct, x.data_ptr(), self.hidden, self.eps,
-                                     kv_cache.data_ptr(), stride, _threads(x.shape[0])):
+                                     kv_cache.data_ptr(), stride, threads):
             raise MemoryError("native decoder: no memory for a step's buffers")
+        self.threads.record(rows, threads, time.perf_counter() - t0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

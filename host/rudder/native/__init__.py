@@ -51,6 +51,8 @@ typedef struct rudder_attn_step {
 # object per argument (these are called ~200 times per decode step).
 _CDEF_MODEL = """
 int rudder_linear_init(void);
+void rudder_parallel_for(void *fn, void *ctx, int64_t n, int threads);
+void rudder_parallel_stats(int64_t *out);
 int rudder_attention(const rudder_attn_step *s, uintptr_t qkv, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out);
 void rudder_linear_bf16(uintptr_t x, int64_t m, int64_t k, uintptr_t w, uintptr_t bias, int64_t n, uintptr_t out,
                         int32_t out_bf16, int32_t op, int32_t threads);
@@ -126,9 +128,18 @@ def model_kernels():
     lib = library()
     if lib is None:
         return None
+    global _amx
     if not os.environ.get("RUDDER_NO_AMX"):
-        lib.rudder_linear_init()  # AMX tiles, where the CPU and the OS offer them
+        _amx = bool(lib.rudder_linear_init())  # AMX tiles, where the CPU and the OS offer them
     return lib
+
+
+_amx = False
+
+
+def amx_usable() -> bool:
+    """Whether the model's kernels use AMX tiles (known once model_kernels() has run)."""
+    return _amx
 
 
 def mask_kernel():

@@ -13,6 +13,14 @@
  * newer job with an older job's function. Helpers spin briefly between jobs (the kernels of a
  * step come microseconds apart), then sleep on a futex.
  *
+ * What a helper can still cost: it claims an item and is then preempted by another process, and
+ * the caller waits out the rest of its time slice (milliseconds, against microseconds of work).
+ * On a quiet machine two threads decode ~1.35x faster than one; on a busy one a step took 1.6x
+ * longer. So the caller times that wait: a job whose caller waited more than STRAGGLER_NS (and
+ * longer than its own share of the work) marks the helpers as late, and the next BACKOFF_MIN
+ * jobs run inline, then one job tries the helpers again; each late try doubles the wait (up to
+ * BACKOFF_MAX jobs, a few seconds of decoding), an on-time one resets it.
+ *
  * Which thread runs which item varies; each item's arithmetic does not, so results never depend
  * on the thread count. One job at a time: a second caller (another thread) runs its loop inline.
  * Without Linux futexes the loop always runs inline.
@@ -28,9 +36,14 @@
 #define HAVE_POOL 1
 #endif
 
+#include <time.h>
+
 #ifdef HAVE_POOL
 #define MAX_HELPERS 15
 #define SPIN_TURNS 20000 /* ~tens of us of spinning before a helper sleeps */
+#define STRAGGLER_NS 300000 /* a wait for a claimed item this long: its helper lost its core */
+#define BACKOFF_MIN 256     /* jobs run inline after a late helper (a decode step is ~150 jobs) */
+#define BACKOFF_MAX 65536
 
 static struct {
     rudder_chunk_fn fn;
@@ -44,6 +57,15 @@ static uint32_t generation; /* futex word: bumped when a job is published */
 static uint32_t sleepers;   /* helpers asleep on it */
 static int started;         /* helpers created */
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
+/* under job_lock: jobs still to run inline, the next backoff, and counts for rudder_parallel_stats */
+static int64_t inline_left, next_backoff = BACKOFF_MIN;
+static int64_t stat_jobs, stat_inline, stat_late;
+
+static int64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static inline void relax(void) { __builtin_ia32_pause(); }
@@ -109,6 +131,16 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
     int helpers = threads - 1 < n - 1 ? threads - 1 : (int)(n - 1);
     if (helpers > 0 && n < (1LL << 31) && (helpers = ensure_helpers(helpers)) > 0 &&
         pthread_mutex_trylock(&job_lock) == 0) {
+        stat_jobs++;
+        if (inline_left > 0) { /* helpers were late lately: this job on this thread alone */
+            inline_left--;
+            stat_inline++;
+            pthread_mutex_unlock(&job_lock);
+            for (int64_t i = 0; i < n; i++)
+                fn(ctx, i);
+            return;
+        }
+        int64_t start = monotonic_ns();
         uint32_t gen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE) + 1;
         job.fn = fn;
         job.ctx = ctx;
@@ -122,10 +154,23 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
         claim_and_run(gen);
         /* only items a helper has claimed are left; wait for those (yielding now and then: the
          * helper may be waiting for this very core) */
-        for (long turn = 1; __atomic_load_n(&job.done, __ATOMIC_ACQUIRE) < n; turn++) {
-            relax();
-            if (turn % 4096 == 0)
-                sched_yield();
+        int64_t own = 0, waited = 0;
+        if (__atomic_load_n(&job.done, __ATOMIC_ACQUIRE) < n) {
+            int64_t from = monotonic_ns();
+            for (long turn = 1; __atomic_load_n(&job.done, __ATOMIC_ACQUIRE) < n; turn++) {
+                relax();
+                if (turn % 4096 == 0)
+                    sched_yield();
+            }
+            own = from - start;
+            waited = monotonic_ns() - from;
+        }
+        if (waited > STRAGGLER_NS && waited > own) {
+            stat_late++;
+            inline_left = next_backoff;
+            next_backoff = next_backoff < BACKOFF_MAX ? 2 * next_backoff : BACKOFF_MAX;
+        } else {
+            next_backoff = BACKOFF_MIN;
         }
         pthread_mutex_unlock(&job_lock);
         return;
@@ -135,4 +180,18 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
 #endif
     for (int64_t i = 0; i < n; i++)
         fn(ctx, i);
+}
+
+/* Jobs that could use helpers, those of them run inline after a late helper, and late helpers
+ * seen (tests and benchmarks read them; out[0..2]). */
+void rudder_parallel_stats(int64_t *out) {
+#ifdef HAVE_POOL
+    pthread_mutex_lock(&job_lock);
+    out[0] = stat_jobs;
+    out[1] = stat_inline;
+    out[2] = stat_late;
+    pthread_mutex_unlock(&job_lock);
+#else
+    out[0] = out[1] = out[2] = 0;
+#endif
 }
