@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from rudder import kernels, native
 
@@ -72,3 +73,44 @@ def test_items_run_once_each_whatever_thread_runs_them():
     for _ in range(20):
         run_job(count, 200)
     assert counts == [20] * 200
+
+
+def test_thread_choice_takes_the_count_measured_faster(monkeypatch):
+    """Every call of a size runs with the current count; every so often one runs with the other,
+    and it takes over only when measured faster; a probe that loses waits longer for the next."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(native, "amx_usable", lambda: False)
+    choice = kernels.ThreadChoice()
+    cost = {1: 1.0, 2: 0.7}  # two threads faster (a quiet host)
+
+    def calls(n):
+        used = []
+        for _ in range(n):
+            t = choice.pick(1)
+            used.append(t)
+            choice.record(1, t, cost[t])
+        return used
+
+    first = calls(100)
+    assert first[0] == 2 and first.count(1) <= 4  # starts with both threads; rare losing probes
+    probes = [i for i, t in enumerate(first) if t == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # each loss waits longer
+
+    cost = {1: 1.0, 2: 1.8}  # another process takes the second core: one thread wins
+    later = calls(1200)
+    assert later[-200:].count(1) >= 199  # one thread now, with at most one losing probe
+
+    cost = {1: 1.0, 2: 0.7}  # quiet again: back to both
+    assert calls(1200)[-200:].count(2) >= 199
+
+
+def test_rows_take_their_own_choice(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(native, "amx_usable", lambda: False)
+    choice = kernels.ThreadChoice()
+    for _ in range(300):
+        for rows, cost in ((1, {1: 1.0, 2: 2.0}), (64, {1: 2.0, 2: 1.0})):
+            t = choice.pick(rows)
+            choice.record(rows, t, cost[t])
+    assert choice.pick(1) in (1, 2) and choice.state[1][0] == 1 and choice.state[7][0] == 2
