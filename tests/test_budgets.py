@@ -43,6 +43,65 @@ def test_snapshots_are_bounded_in_bytes_and_come_back():
         assert first.snapshot is not None and rt.stats()["snapshot_bytes"] <= 56 * MiB
 
 
+def _malloc_bytes() -> int | None:
+    """Bytes the process holds from malloc (glibc's mallinfo2: in use in its arenas + mmapped)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        return None
+    fn.restype = MallInfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
+def test_snapshots_live_outside_the_malloc_heap():
+    """A snapshot's bytes are an mmap of their own: in glibc's heap, snapshots that came and
+    went left holes that kept the server's RSS growing (benchmarks/soak.py)."""
+    if _malloc_bytes() is None:
+        pytest.skip("needs glibc's mallinfo2")
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as rt:
+        module = rt.load(wasm_of(dirty_init_wat(16, 5)))
+        before = _malloc_bytes()
+        rt.start(module, "").close()
+        grown = _malloc_bytes() - before
+        assert module.snapshot.stored_bytes >= 15 * MiB
+        assert grown < 4 * MiB, f"malloc holds {grown >> 20} MiB more after a 16 MiB snapshot"
+        ctl = rt.start(module, "")  # and it restores from there
+        assert peek(ctl, 0x20000, 4) == bytes([5] * 4) and peek(ctl, 16 * MiB - 4, 4) == bytes([5] * 4)
+        ctl.close()
+
+
+def test_modules_are_not_kept_for_their_snapshots():
+    """The snapshot cache holds modules weakly: modules the runtime's LRU dropped go, even when
+    their snapshots are empty (held strongly, every distinct module stayed for good)."""
+    import weakref
+
+    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as rt:
+        refs = []
+        for i in range(rt.cache.max_in_memory + 40):
+            init = "(i32.const 0)" if i % 2 else f"(i32.store (i32.const 0x8000) (i32.const {i + 1})) (i32.const 0)"
+            module = rt.load(wasm_of(controller_wat(init=init, extra=f"(global $g{i} i32 (i32.const {i}))")))
+            rt.start(module, "").close()
+            refs.append(weakref.ref(module))
+            del module
+        gc.collect()
+        alive = [r() for r in refs if r() is not None]
+        assert len(alive) <= rt.cache.max_in_memory
+        assert rt.stats()["snapshot_bytes"] == sum(m.snapshot.stored_bytes for m in alive if m.snapshot is not None)
+        assert len(rt._shared.snapshots) == len(alive)
+        del alive
+        module = rt.load(wasm_of(controller_wat(init="(i32.store (i32.const 0x8000) (i32.const 1)) (i32.const 0)",
+                                                extra="(global $g0 i32 (i32.const 0))")))
+        ctl = rt.start(module, "")  # a dropped module comes back: loaded and initialised again
+        assert peek(ctl, 0x8000, 1) == b"\x01"
+        ctl.close()
+
+
 def test_live_guest_memory_is_bounded_and_given_back():
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False, guest_memory_bytes=20 * MiB) as rt:
         module = rt.load(wasm_of(dirty_init_wat(8, 7)))

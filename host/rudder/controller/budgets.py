@@ -4,10 +4,10 @@ one module or one instance can be a few KiB or many MiB."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import itertools
 import threading
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 
 from .errors import ControllerError
 
@@ -46,52 +46,71 @@ class SnapshotCache:
     """Post-init snapshots of loaded modules, bounded by their bytes, least recently used first
     out. A module whose snapshot was dropped runs rudder_init again on its next start (init is
     deterministic, so the snapshot comes back the same): many uploaded modules whose init
-    dirtied much memory cost init time, never unbounded memory."""
+    dirtied much memory cost init time, never unbounded memory.
+
+    Modules are held weakly: a module that nothing else keeps (the registry's and the runtime's
+    bounded LRUs, a running request) is dropped, compiled code and snapshot together. Held
+    strongly, a module whose snapshot was small stayed for as long as the budget had room, and
+    one whose snapshot was empty (an init that writes nothing) for good: every distinct module
+    ever loaded, each with its compiled code and its mappings."""
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
-        self.bytes = 0
-        self._lru: "OrderedDict[int, object]" = OrderedDict()  # id(cmod) -> cmod holding a snapshot
+        self._bytes = 0
+        # key -> (weak reference to the module, its snapshot's bytes); a key is never reused
+        self._lru: "OrderedDict[int, tuple[weakref.ref, int]]" = OrderedDict()
+        self._keys = itertools.count()
+        self._dead: deque = deque()  # keys of modules collected since, counted out under the lock
         self._lock = threading.Lock()
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            self._reap()
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._reap()
+            return len(self._lru)
 
     def used(self, cmod) -> None:
         with self._lock:
-            if id(cmod) in self._lru:
-                self._lru.move_to_end(id(cmod))
+            self._reap()
+            key = getattr(cmod, "snapshot_key", None)
+            if key in self._lru:
+                self._lru.move_to_end(key)
 
     def add(self, cmod, snap) -> None:
         """Keep `snap` as `cmod`'s snapshot, dropping older ones while over budget (never the
         newest: a snapshot larger than the budget still serves the request that made it)."""
         with self._lock:
-            cmod.snapshot = snap
-            self._lru[id(cmod)] = cmod
-            self.bytes += snap.stored_bytes
-            dropped = 0
-            while self.bytes > self.budget and len(self._lru) > 1:
-                _, old = self._lru.popitem(last=False)
-                self.bytes -= old.snapshot.stored_bytes
-                dropped += old.snapshot.stored_bytes
-                old.snapshot = None
-        if dropped >= 1 << 20:
-            _give_back_free_heap()
+            self._reap()
+            self._forget_locked(cmod)
+            key = next(self._keys)
+            cmod.snapshot, cmod.snapshot_key = snap, key
+            dead = self._dead  # (the callback must not hold the cache)
+            self._lru[key] = (weakref.ref(cmod, lambda _, key=key: dead.append(key)), snap.stored_bytes)
+            self._bytes += snap.stored_bytes
+            while self._bytes > self.budget and len(self._lru) > 1:
+                _, (ref, nbytes) = self._lru.popitem(last=False)
+                self._bytes -= nbytes
+                old = ref()
+                if old is not None:
+                    old.snapshot = None  # its pages go back to the OS with it (snapshot.py)
 
     def forget(self, cmod) -> None:
         with self._lock:
-            if self._lru.pop(id(cmod), None) is not None:
-                self.bytes -= cmod.snapshot.stored_bytes
+            self._forget_locked(cmod)
 
+    def _forget_locked(self, cmod) -> None:
+        entry = self._lru.pop(getattr(cmod, "snapshot_key", None), None)
+        if entry is not None:
+            self._bytes -= entry[1]
 
-_libc = None
-
-
-def _give_back_free_heap() -> None:
-    """Return freed heap pages to the OS (glibc's malloc_trim). Snapshots are large buffers;
-    after many come and go, glibc's raised mmap threshold leaves them in the heap, and the
-    freed space would stay in RSS for good. A no-op where there is no glibc."""
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        lib = ctypes.CDLL(name) if name else None
-        _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else False
-    if _libc:
-        _libc.malloc_trim(0)
+    def _reap(self) -> None:
+        """Count out the snapshots of modules collected since (the lock is held)."""
+        while self._dead:
+            entry = self._lru.pop(self._dead.popleft(), None)
+            if entry is not None:
+                self._bytes -= entry[1]

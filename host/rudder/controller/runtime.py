@@ -15,9 +15,14 @@ Engine settings, and why:
   address space: ~4 GiB per slot, so ~4 TiB for 1024 slots, and x86-64 gives a process 128 TiB),
   we fall back to wasmtime's default allocator. The room is probed first: wasmtime aborts the
   process, rather than return an error, when the pool's reservation fails.
-  At most WARM_SLOTS unused slots stay warm (resident, with their module's image): wasmtime's
-  default of 100 let a server that ran many distinct modules keep ~100 x keep_resident of
-  idle guest pages in RSS for good (benchmarks/soak.py).
+  Every slot that was ever used keeps up to `keep_resident` bytes resident for good (wasmtime
+  zeroes them on reuse instead of giving them back), and wasmtime uses a never-used slot for a
+  new instance while fewer than WARM_SLOTS unused slots are warm, so idle guest pages in RSS
+  reach (WARM_SLOTS + the most live instances ever at once) x keep_resident. Both are kept
+  small: WARM_SLOTS 16 (wasmtime's default of 100 kept ~100 x keep_resident), keep_resident
+  2 MiB, which holds the snapshots of the built-in constraint controllers (1.3-1.6 MB; a start
+  took the same 0.3 ms as with 4 MiB, 0.5-0.6 ms with 1 MiB, 0.8-0.9 ms with none) and halved
+  the pool's share of the growth benchmarks/soak.py measured.
 """
 
 from __future__ import annotations
@@ -93,7 +98,8 @@ class _Shared:
         return self._table
 
 
-WARM_SLOTS = 16  # unused pool slots kept resident: at most 16 x keep_resident (4 MiB) of idle pages
+WARM_SLOTS = 16  # unused pool slots kept warm before a new one is used (see the module docstring)
+KEEP_RESIDENT = 2 << 20  # bytes of each used pool slot kept resident (see the module docstring)
 
 
 def _config(pooling: dict | None) -> wasmtime.Config:
@@ -300,7 +306,7 @@ class ControllerRuntime:
     """
 
     def __init__(self, tokenizer, limits: Limits = Limits(), cache_dir: Path | None = None, *,
-                 max_instances: int = 1024, keep_resident: int = 4 << 20,
+                 max_instances: int = 1024, keep_resident: int = KEEP_RESIDENT,
                  backtrack_allowed: bool = True, tick_ms: float = TICK_MS,
                  guest_memory_bytes: int = DEFAULT_GUEST_MEMORY, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES):
         if not isinstance(limits, Limits):
@@ -371,7 +377,9 @@ class ControllerRuntime:
                 check_shape(data)  # before wasmtime describes any type (v128 would abort)
                 mutable_globals = check_module(module)
             except ControllerError as e:
-                self.cache.put(sha, e)
+                # a copy: `e`'s traceback holds this frame, and with it the wasm bytes and the
+                # compiled module, for as long as the cache keeps the failure
+                self.cache.put(sha, ControllerError(e.kind, str(e), e.log_tail))
                 raise
             compiled_size = self.cache.store(sha, module, {"mutable_globals": list(mutable_globals)})
         try:
