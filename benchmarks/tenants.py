@@ -11,6 +11,8 @@ same plain request beside k neighbours without a controller (the same batch size
 request's tokens/s beside the slow neighbours over its tokens/s beside the plain ones is the
 ratio; the goal is >= 0.9. Rounds alternate the two (ABBA), and the ratio is the median of the
 paired ratios with a bootstrap 95 % interval. The plain request's text must be the same in both.
+The slow neighbours' own tokens/s (all of them together) and how many of them failed (a legal
+controller must never be ended, e.g. by its wall-clock cap) are printed beside it.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def calibrate(llm: LLM, ms: float) -> int:
         n *= 4
 
 
-def run(llm: LLM, k: int, loops: int | None, tokens: int) -> tuple[float, list[int]]:
-    """The plain request's tokens/s beside k neighbours (with a busy controller, or none)."""
+def run(llm: LLM, k: int, loops: int | None, tokens: int) -> tuple[float, list[int], float, int]:
+    """The plain request's tokens/s beside k neighbours (with a busy controller, or none), the
+    neighbours' tokens/s together over the same time, and how many of them failed."""
     eng = llm.engine
     plain = eng.add_request(llm.prompt_text(PROMPT, True), SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                          ignore_eos=True))
@@ -72,10 +75,12 @@ def run(llm: LLM, k: int, loops: int | None, tokens: int) -> tuple[float, list[i
                 first = first or now
                 last = now
     out = plain.seqs[0].output_ids
+    theirs = sum(len(r.seqs[0].output_ids) for r in others)
+    failed = sum(1 for r in others if r.finished and any(s.finish_reason == "error" for s in r.seqs))
     for r in [plain, *others]:
         eng.cancel(r.request_id)
         eng.release(r)
-    return (len(out) - 1) / (last - first), out
+    return (len(out) - 1) / (last - first), out, theirs / (last - first), failed
 
 
 def interval(ratios: np.ndarray, rng) -> tuple[float, float]:
@@ -98,10 +103,11 @@ def main(argv=None) -> dict:
     run(llm, 1, None, 8)  # warm up
     rng = np.random.default_rng(0)
     rows = []
-    print(f"{'neighbours':>10} {'ms/step':>8} {'plain beside plain':>19} {'beside slow':>12} {'ratio':>7}   95 % interval")
+    print(f"{'neighbours':>10} {'ms/step':>8} {'plain beside plain':>19} {'beside slow':>12} {'ratio':>7}   95 % interval"
+          f"   {'slow ones tok/s':>15} {'failed':>6}")
     for k in args.neighbours:
         for ms in args.ms:
-            base, slow, ratios = [], [], []
+            base, slow, ratios, theirs, failed = [], [], [], [], 0
             for i in range(args.rounds):
                 pair = {}
                 for side in (("base", "slow") if i % 2 == 0 else ("slow", "base")):
@@ -110,13 +116,17 @@ def main(argv=None) -> dict:
                     raise SystemExit(f"the plain request's tokens differ beside slow neighbours (k={k}, {ms} ms)")
                 base.append(pair["base"][0])
                 slow.append(pair["slow"][0])
+                theirs.append(pair["slow"][2])
+                failed += pair["slow"][3]
                 ratios.append(pair["slow"][0] / pair["base"][0])
             low, high = interval(np.array(ratios), rng)
             row = {"neighbours": k, "ms": ms, "plain_tok_s": float(np.median(base)), "beside_slow_tok_s":
-                   float(np.median(slow)), "ratio": float(np.median(ratios)), "low": low, "high": high}
+                   float(np.median(slow)), "ratio": float(np.median(ratios)), "low": low, "high": high,
+                   "slow_neighbours_tok_s": float(np.median(theirs)), "slow_neighbours_failed": failed}
             rows.append(row)
             print(f"{k:>10} {ms:>8g} {row['plain_tok_s']:>19.1f} {row['beside_slow_tok_s']:>12.1f} "
-                  f"{row['ratio']:>7.2f}   [{low:.2f}, {high:.2f}]", flush=True)
+                  f"{row['ratio']:>7.2f}   [{low:.2f}, {high:.2f}]   {row['slow_neighbours_tok_s']:>15.1f} {failed:>6}",
+                  flush=True)
     llm.close()
     result = {"model": args.model, "tokens": args.tokens, "rounds": args.rounds, "rows": rows}
     if args.json:

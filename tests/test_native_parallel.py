@@ -114,3 +114,73 @@ def test_rows_take_their_own_choice(monkeypatch):
             t = choice.pick(rows)
             choice.record(rows, t, cost[t])
     assert choice.pick(1) in (1, 2) and choice.state[1][0] == 1 and choice.state[7][0] == 2
+
+
+class _Busy:
+    """A stand-in controller whose every call computes for `ms` of CPU."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def mid_process(self, branch_idx, backtrack, tokens):
+        end = time.thread_time() + self.ms / 1000
+        while time.thread_time() < end:
+            pass
+        return []
+
+
+def test_controllers_that_keep_a_core_busy_are_measured():
+    """ControllerCalls.demand: cores' worth of CPU its calls used lately; the engine leaves the
+    controllers a core above CONTROLLER_CORE_DEMAND (a cheap controller stays below it)."""
+    from rudder.engine.controller_calls import ControllerCalls
+    from rudder.engine.llm_engine import CONTROLLER_CORE_DEMAND
+
+    calls = ControllerCalls(2)
+    try:
+        def steps(controller, n):
+            for _ in range(n):
+                for f in calls.submit([(i, controller, 0, 0, [1]) for i in range(2)]).values():
+                    f.result()
+                time.sleep(0.004)  # the rest of a step
+                demand = calls.demand()
+            return demand
+
+        assert steps(_Busy(4), 12) > CONTROLLER_CORE_DEMAND  # two calls of 4 ms per ~12 ms step
+        assert steps(_Busy(0.02), 40) < CONTROLLER_CORE_DEMAND  # a json-like 20 us: the model keeps both
+    finally:
+        calls.close()
+
+
+def test_leave_cores_caps_the_decoder_without_teaching_the_choice(monkeypatch):
+    from rudder.loading import load_model
+    from rudder.engine import Engine
+    from rudder import SamplingParams
+
+    from rudder.model import native_stack
+
+    model, tok = load_model("tiny", dtype="bf16")
+    stack = native_stack(model)
+    assert stack is not None
+    seen = []
+    real = kernels._kernels()
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def rudder_decoder(self, *args):
+            seen.append(args[-1])
+            return real.rudder_decoder(*args)
+
+    monkeypatch.setattr(kernels, "_kernels", lambda: Spy())
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    engine = Engine(model, tok)
+    engine.add_request("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    engine.calls.demand = lambda: 1.0  # controllers busy on a whole core
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        kernels.leave_cores(0)
+    assert seen and set(seen) == {1}
+    assert all(st[1] is None for st in stack.threads.state.values())  # capped calls teach nothing

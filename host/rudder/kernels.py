@@ -93,6 +93,13 @@ class ThreadChoice:
 
 
 _latest: dict[int, int] = {}  # size class -> the count a decoder stack chose last
+_cap = threading.local()
+
+
+def leave_cores(n: int) -> None:
+    """This thread's next decoder calls use at most torch's threads minus `n` (at least one):
+    the engine leaves a core to controllers that keep it busy (engine/llm_engine.py)."""
+    _cap.leave = n
 
 
 def _threads(rows: int) -> int:
@@ -207,13 +214,17 @@ class DecoderStack:
         if hook is not None:
             hook()
         rows = x.shape[0]
-        threads = self.threads.pick(rows)
+        threads = picked = self.threads.pick(rows)
+        leave = getattr(_cap, "leave", 0)
+        if leave:
+            threads = max(1, min(threads, torch.get_num_threads() - leave))
         step.struct.threads = threads
         t0 = time.perf_counter()
         if _kernels().rudder_decoder(self.array, self.count, step.struct, x.data_ptr(), self.hidden, self.eps,
                                      kv_cache.data_ptr(), stride, threads):
             raise MemoryError("native decoder: no memory for a step's buffers")
-        self.threads.record(rows, threads, time.perf_counter() - t0)
+        if threads == picked:  # (a capped call says nothing about the choice)
+            self.threads.record(rows, threads, time.perf_counter() - t0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -41,6 +41,10 @@ def run_call(controller, branch_idx: int, backtrack: int, tokens) -> tuple[objec
 class ControllerCalls:
     def __init__(self, threads: int):
         self.threads = threads
+        self.cpu_s = 0.0  # CPU seconds the workers' calls took, all together (demand())
+        self._cpu_lock = threading.Lock()
+        self._mark: tuple[float, float] | None = None  # (time, cpu_s) at the last demand()
+        self._demand = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list = []
         self._workers = [threading.Thread(target=self._work, name=f"rudder-controller-{i}", daemon=True)
@@ -65,6 +69,17 @@ class ControllerCalls:
             futures[key] = future
         return futures
 
+    def demand(self) -> float:
+        """How many cores the calls kept busy lately: CPU seconds per second since the last
+        call of this, as a running average (the engine asks once per step)."""
+        now = time.perf_counter()
+        with self._cpu_lock:
+            cpu = self.cpu_s
+        if self._mark is not None and now > self._mark[0]:
+            self._demand = 0.7 * self._demand + 0.3 * (cpu - self._mark[1]) / (now - self._mark[0])
+        self._mark = (now, cpu)
+        return self._demand
+
     def release(self) -> None:
         """Hand the held calls to the workers."""
         held, self._held = self._held, []
@@ -81,7 +96,10 @@ class ControllerCalls:
             if item is None:
                 return
             future, call = item
-            future.set_result(run_call(*call))
+            result = run_call(*call)
+            with self._cpu_lock:
+                self.cpu_s += result[1]
+            future.set_result(result)
 
     def close(self) -> None:
         self.release()

@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine"]
 
+# Cores' worth of CPU the controllers' calls used lately (ControllerCalls.demand) above which the
+# model leaves them a core: a busy-loop neighbour of 5 ms a step uses ~0.5, the json controller
+# ~0.005 (30-50 us a step).
+CONTROLLER_CORE_DEMAND = 0.1
+
 
 @dataclass
 class _Flight:
@@ -232,6 +237,10 @@ class Engine:
         if self.runner.capabilities.sample_at_launch and not any(
                 s.cursor is not None or s.draft is not None for s in ready):
             early = [(s.params, s.rng) for s in ready]
+        if self.calls.threads:
+            # Controllers that keep a core busy get one: the model's kernels would otherwise use
+            # every core and take their CPU (benchmarks/tenants.py; docs/performance.md, Threads).
+            kernels.leave_cores(1 if self.calls.demand() > CONTROLLER_CORE_DEMAND else 0)
         t0 = time.perf_counter()
         try:
             try:
