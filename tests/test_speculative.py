@@ -454,3 +454,22 @@ def test_a_short_answer_to_a_long_prompt_is_not_drafted_by_a_model():
     [short] = llm.generate(["a b c"], [params])
     assert len(short.token_ids) == 10 and short.speculative["drafted"] > 0
     llm.close()
+
+
+def test_probes_grow_rarer_while_drafting_is_not_expected_to_pay():
+    """A sequence whose drafts would gain less than MIN_GAIN drafts only probes, and each probe
+    the estimates still turn down doubles the wait for the next (up to MAX_PROBE_EVERY)."""
+    from rudder.engine.speculative import MAX_PROBE_EVERY, MIN_GAIN, PROBE_EVERY, ROW_COST, _Adaptive
+
+    ad = _Adaptive()
+    ad.hits, ad.tries = 0.0, 10.0  # nothing accepted lately
+    assert (1 + 0.04) / (1 + ROW_COST) < 1 + MIN_GAIN  # a draft gaining < MIN_GAIN is not tried
+    probes = []
+    for step in range(400):
+        if ad.choose_k(8, 0.01, 1e-4):
+            probes.append(step)
+            ad.observe(0, True)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] == 2 * PROBE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_EVERY
+    ad.hits, ad.tries = 9.0, 10.0  # drafts accepted again: drafting resumes, probes frequent again
+    assert ad.choose_k(8, 0.01, 1e-4) > 0 and ad.probe_every == PROBE_EVERY

@@ -39,12 +39,17 @@ _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
 NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the estimates' start
 # Each verified position adds about this fraction of a one-token forward. Measured for SmolLM2
-# (benchmarks/verify_rows.py, 2 threads): bf16 on AVX-512 BF16 0.05-0.10 by context, with AMX
+# (benchmarks/verify_rows.py, 2 threads): bf16 on AVX-512 BF16 0-0.08 by context, with AMX
 # 0.025, int8 0.14, fp32 0.01-0.03. Kept at 0.03 for every precision: the measured bf16 value
 # gave smaller drafts and no gain (speculative.py, 2026-11-26: lookup on extraction 1.40x
 # against 1.45x), since a draft step also pays the controller's calls and the host's work.
 ROW_COST = 0.03
 PROBE_EVERY = 8  # a sequence that stopped drafting (k = 0) tries one token this often, to notice a change
+MAX_PROBE_EVERY = 64  # ... doubling after each probe while drafting is not expected to pay, up to this
+# A draft must be expected to gain this share of tokens per second over plain decoding: the
+# model of `rate` leaves out a drafting step's host work (free text with prompt lookup
+# drafted 1 token at acceptance 0.08 on a third of its steps, and ran at 0.89x of plain).
+MIN_GAIN = 0.05
 NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}  # seeded requests' fixed estimates (no wall clock)
 # Until a draft model's step has been measured, its cost is taken as this fraction of the
 # target's measured step (an int8 copy of a bf16 target costs about half): drafting is then
@@ -58,6 +63,11 @@ UNMEASURED_READ_SHARE = 0.1
 # round that first reads what the draft model missed (the prompt, the steps it sat out) is not
 # the cost of a drafted position.
 CAUGHT_UP_TOKENS = 2
+# A draft model's probe (drafting the estimates turn down, to measure again) is skipped when the
+# draft model would first have to read more than this many tokens it missed: 32 at int8 cost ~2
+# target steps of SmolLM2 bf16; probes that read all they missed made free chat with an int8
+# draft 0.92x of plain (speculative.py, 2026-11-26), now ~1.0x.
+PROBE_READ = 32
 # The guard (_Adaptive.guard): measured tokens per second of a sequence's drafting steps against
 # its plain steps. A sequence decodes GUARD_SAMPLES plain steps first (the rate to beat, before a
 # draft model pays for reading the prompt). Drafting that runs slower than plain by more than
@@ -138,6 +148,7 @@ class _Adaptive:
         self.hits, self.tries = 4.0, 5.0  # acceptance rate prior 0.8
         self.ctl_time = 0.0  # seconds per controller call while drafting
         self.idle = 0  # steps since the last draft
+        self.probe_every, self.probing = PROBE_EVERY, False
         # the guard: each step's wall time and tokens, by whether it drafted
         self.rates = {True: _Rate(), False: _Rate()}
         self.last: tuple | None = None  # (time, length, drafted, first drafting step) at the last propose
@@ -150,6 +161,9 @@ class _Adaptive:
     def observe(self, accepted: int, rejected: bool) -> None:
         self.hits = _EMA * self.hits + accepted
         self.tries = _EMA * self.tries + accepted + rejected
+        if self.probing:  # each probe the estimates still turn down waits twice as long for the next
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+            self.probing = False
 
     def rate(self, k: int, t_target: float, cost: float) -> float:
         """Expected tokens per second of drafts of k tokens: (1 - a^(k+1)) / (1 - a) tokens for
@@ -164,15 +178,19 @@ class _Adaptive:
         draft this step (then every PROBE_EVERY steps a probe of `probe` tokens: a draft model's
         probe drafts 2, since only its second round is timed - see CAUGHT_UP_TOKENS)."""
         cost = t_draft + (self.ctl_time if timed else 0.0)
-        best, best_rate = 0, 1.0 / t_target
+        best, best_rate = 0, (1.0 + (MIN_GAIN if timed else 0.0)) / t_target
         for k in range(1, k_max + 1):
             rate = self.rate(k, t_target, cost)
             if rate > best_rate:
                 best, best_rate = k, rate
+        self.probing = False
         if best == 0:
             self.idle += 1
-            if self.idle >= PROBE_EVERY:
+            if self.idle >= (self.probe_every if timed else PROBE_EVERY):
                 best = min(probe, k_max)
+                self.probing = timed
+        elif timed:
+            self.probe_every = PROBE_EVERY  # drafting pays again: probe often when it stops
         if best:
             self.idle = 0
         return best
@@ -180,6 +198,11 @@ class _Adaptive:
     def gain(self, k: int, t_target: float, t_draft: float) -> float:
         """Seconds saved per output token by drafts of k tokens (expected; <= 0: none)."""
         return t_target - 1.0 / self.rate(k, t_target, t_draft + self.ctl_time) if k > 0 else 0.0
+
+    def plain_step(self) -> float | None:
+        """Seconds per token of this sequence's plain steps, when measured."""
+        plain = self.rates[False]
+        return 1.0 / plain.value if plain.samples >= GUARD_SAMPLES and plain.value > 0 else None
 
     def step(self, now: float, length: int) -> None:
         """A new step begins: the one that just ended took now - then and added length - then's.
@@ -291,12 +314,15 @@ class Speculator:
                 continue
             ad = self.adaptive.setdefault(seq.seq_id, _Adaptive())
             if p.seed is None:
+                # The step to beat: this sequence's measured plain steps (the host's work
+                # included) once it has some, else the verification forwards' estimate.
+                t_target = ad.plain_step() or self.t_target
                 t_draft = self.t_draft[p.speculative]
                 if t_draft is None:
-                    t_draft = UNMEASURED_DRAFT_SHARE * self.t_target
-                k = ad.guard(ad.choose_k(p.spec_k, self.t_target, t_draft, probe=2 if p.speculative == "draft" else 1),
+                    t_draft = UNMEASURED_DRAFT_SHARE * t_target
+                k = ad.guard(ad.choose_k(p.spec_k, t_target, t_draft, probe=2 if p.speculative == "draft" else 1),
                              plain_first=p.speculative == "draft")
-                if k and p.speculative == "draft" and not self._repaid(seq, ad, k, t_draft):
+                if k and p.speculative == "draft" and not self._repaid(seq, ad, k, t_target, t_draft):
                     k = 0
             else:  # a seeded request repeats only if its drafts do: no wall-clock input to k
                 k = ad.choose_k(p.spec_k, NOMINAL_T_TARGET, NOMINAL_T_DRAFT[p.speculative], timed=False)
@@ -309,16 +335,16 @@ class Speculator:
             self._draft(drafts)
         self._began(running, set(candidates), now)
 
-    def _repaid(self, seq, ad: "_Adaptive", k: int, t_draft: float) -> bool:
+    def _repaid(self, seq, ad: "_Adaptive", k: int, t_target: float, t_draft: float) -> bool:
         """Whether what drafting can save over the rest of the request repays the draft model's
         reading what it has not seen of the sequence (all of a long prompt, at first): a short
         answer to a long prompt is decoded plain rather than pay for that read."""
         behind = len(seq) - len(self.draft_model.cached.get(seq.seq_id, ()))
         if behind <= CAUGHT_UP_TOKENS:
             return True
-        gain = ad.gain(k, self.t_target, t_draft)
-        if gain <= 0:
-            return True  # a probe (choose_k's): it is there to measure again, whatever it costs
+        gain = ad.gain(k, t_target, t_draft)
+        if gain <= 0:  # a probe (choose_k's), there to measure again: not at the price of a long read
+            return behind <= PROBE_READ
         t_read = self.t_read if self.t_read is not None else UNMEASURED_READ_SHARE * t_draft
         return (seq.params.max_tokens - seq.num_output) * gain > behind * t_read
 

@@ -42,7 +42,7 @@
 #define MAX_HELPERS 15
 #define SPIN_TURNS 20000 /* ~tens of us of spinning before a helper sleeps */
 #define STRAGGLER_NS 300000 /* a wait for a claimed item this long: its helper lost its core */
-#define BACKOFF_MIN 256     /* jobs run inline after a late helper (a decode step is ~150 jobs) */
+#define BACKOFF_MIN 32      /* jobs run inline after a late helper (a decode step is ~150 jobs) */
 #define BACKOFF_MAX 65536
 
 static struct {
