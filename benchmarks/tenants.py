@@ -1,7 +1,7 @@
 """A plain greedy request beside neighbours with slow controllers: does it slow down?
 
     .venv/bin/python benchmarks/tenants.py [--model smollm2] [--neighbours 1 4 8] [--ms 5 15 24]
-                                           [--tokens 48] [--rounds 3] [--dtype auto]
+                                           [--tokens 48] [--rounds 3] [--dtype auto] [--model-threads N]
                                            [--json benchmarks/results/tenants.json]
 
 For each (k neighbours, m ms per step): one engine runs a plain greedy request of `--tokens`
@@ -95,10 +95,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--neighbours", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--ms", type=float, nargs="+", default=[5, 15, 24])
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--model-threads", type=int, help="the engine's model_threads (default: all cores, one "
+                                                       "fewer while controllers keep one busy)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, model_threads=args.model_threads)
     loops = {ms: calibrate(llm, ms) for ms in args.ms}
     run(llm, 1, None, 8)  # warm up
     rng = np.random.default_rng(0)
@@ -128,7 +130,8 @@ def main(argv=None) -> dict:
                   f"{row['ratio']:>7.2f}   [{low:.2f}, {high:.2f}]   {row['slow_neighbours_tok_s']:>15.1f} {failed:>6}",
                   flush=True)
     llm.close()
-    result = {"model": args.model, "tokens": args.tokens, "rounds": args.rounds, "rows": rows}
+    result = {"model": args.model, "tokens": args.tokens, "rounds": args.rounds, "model_threads": args.model_threads,
+              "rows": rows}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

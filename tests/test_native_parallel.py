@@ -151,11 +151,11 @@ def test_controllers_that_keep_a_core_busy_are_measured():
         calls.close()
 
 
-def test_leave_cores_caps_the_decoder_without_teaching_the_choice(monkeypatch):
-    from rudder.loading import load_model
-    from rudder.engine import Engine
+def _decoder_threads(monkeypatch, engine_options: dict, busy_controllers: bool) -> tuple[set, object]:
+    """The thread counts the native decoder was called with over a short generation."""
     from rudder import SamplingParams
-
+    from rudder.engine import Engine
+    from rudder.loading import load_model
     from rudder.model import native_stack
 
     model, tok = load_model("tiny", dtype="bf16")
@@ -174,13 +174,26 @@ def test_leave_cores_caps_the_decoder_without_teaching_the_choice(monkeypatch):
 
     monkeypatch.setattr(kernels, "_kernels", lambda: Spy())
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, **engine_options)
+    engine.calls.demand = (lambda: 1.0) if busy_controllers else (lambda: 0.0)
     engine.add_request("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    engine.calls.demand = lambda: 1.0  # controllers busy on a whole core
     try:
         while engine.has_unfinished():
             engine.step()
     finally:
         kernels.leave_cores(0)
-    assert seen and set(seen) == {1}
+    return set(seen), stack
+
+
+def test_model_threads_caps_the_decoder(monkeypatch):
+    assert _decoder_threads(monkeypatch, {}, False)[0] == {2}
+    assert _decoder_threads(monkeypatch, {"model_threads": 1}, False)[0] == {1}
+    with pytest.raises(ValueError, match="model_threads"):
+        from rudder.engine.config import EngineConfig
+        EngineConfig(model_threads=0)
+
+
+def test_leave_cores_caps_the_decoder_without_teaching_the_choice(monkeypatch):
+    seen, stack = _decoder_threads(monkeypatch, {}, True)  # controllers busy on a whole core
+    assert seen == {1}
     assert all(st[1] is None for st in stack.threads.state.values())  # capped calls teach nothing

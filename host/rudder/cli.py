@@ -354,7 +354,11 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           pipeline_micro_batches: Optional[int] = typer.Option(
               None, "--pipeline-micro-batches", min=1,
               help="Steps in flight at once over the pipeline, each over its own share of the running "
-                   "requests (default: one per stage).")) -> None:
+                   "requests (default: one per stage)."),
+          model_threads: Optional[int] = typer.Option(
+              None, "--model-threads", min=1,
+              help="Most threads for the model's kernels (default: all, one fewer while controllers keep "
+                   "a core busy). One fewer than the cores keeps a core for tenants' controllers.")) -> None:
     """Serve the model over HTTP: /v1/run (SSE), a controller registry, OpenAI-compatible completions."""
     import logging
     import os
@@ -384,6 +388,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                                               "max_seqs": max_seqs, "device": _device(device), "dtype": _dtype(dtype),
                                               "pipeline_stages": _stages(pipeline_stages),
                                               "micro_batches": pipeline_micro_batches,
+                                              "model_threads": model_threads,
                                               "guest_memory_bytes": guest_memory_mb << 20,
                                               "snapshot_bytes": snapshot_memory_mb << 20})
         from .controller import Limits

@@ -108,7 +108,7 @@ def _threads(rows: int) -> int:
     many = torch.get_num_threads()
     if many == 1 or (native.amx_usable() and rows < SINGLE_THREAD_ROWS):
         return 1
-    return _latest.get(rows.bit_length(), many)
+    return max(1, min(_latest.get(rows.bit_length(), many), many - getattr(_cap, "leave", 0)))
 
 
 def parallel_stats() -> dict:

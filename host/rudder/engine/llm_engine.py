@@ -237,10 +237,12 @@ class Engine:
         if self.runner.capabilities.sample_at_launch and not any(
                 s.cursor is not None or s.draft is not None for s in ready):
             early = [(s.params, s.rng) for s in ready]
-        if self.calls.threads:
-            # Controllers that keep a core busy get one: the model's kernels would otherwise use
-            # every core and take their CPU (benchmarks/tenants.py; docs/performance.md, Threads).
-            kernels.leave_cores(1 if self.calls.demand() > CONTROLLER_CORE_DEMAND else 0)
+        # Controllers that keep a core busy get one: the model's kernels would otherwise use every
+        # core and take their CPU (benchmarks/tenants.py; docs/performance.md, Threads).
+        leave = 1 if self.calls.threads and self.calls.demand() > CONTROLLER_CORE_DEMAND else 0
+        if self.config.model_threads is not None:
+            leave = max(leave, torch.get_num_threads() - self.config.model_threads)
+        kernels.leave_cores(leave)
         t0 = time.perf_counter()
         try:
             try:
