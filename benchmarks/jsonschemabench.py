@@ -90,6 +90,29 @@ def _allowed(mask, t: int) -> bool:
     return bool((int(mask[t >> 5]) >> (t & 31)) & 1)
 
 
+def walk_peer(fill, mask, consume, ids, step: bool):
+    """A peer's walk over `ids`: `fill()` writes the next mask into `mask` (bitmask words),
+    `consume(t)` takes a token (False: refused). Timed per step: the fill alone, or (`step`)
+    consuming the last token and the next fill. Returns (times, index where it stopped or None)."""
+    times = []
+    t0 = time.perf_counter()
+    for i, t in enumerate(ids):
+        if not step:
+            t0 = time.perf_counter()
+        fill()
+        if i or not step:
+            times.append(time.perf_counter() - t0)
+        if not _allowed(mask, t):
+            return times, i
+        t0 = time.perf_counter()
+        if not consume(t):
+            return times, i
+    fill()
+    if step and ids:
+        times.append(time.perf_counter() - t0)
+    return times, None
+
+
 class Ours:
     def __init__(self, tok, folder):
         from rudder.controller import ControllerRuntime
@@ -169,22 +192,10 @@ class LLGuidance:
 
     def walk(self, m, ids, step: bool = False):
         m.reset()
-        times = []
-        t0 = time.perf_counter()
-        for i, t in enumerate(ids):
-            if not step:
-                t0 = time.perf_counter()
-            self.llnp.fill_next_token_bitmask(m, self.bitmask, 0)
-            if i or not step:
-                times.append(time.perf_counter() - t0)
-            if not _allowed(self.bitmask[0], t):
-                return False, times, i
-            t0 = time.perf_counter()
-            if not m.consume_token(t):
-                return False, times, i
-        self.llnp.fill_next_token_bitmask(m, self.bitmask, 0)
-        if step and ids:
-            times.append(time.perf_counter() - t0)
+        times, stop = walk_peer(lambda: self.llnp.fill_next_token_bitmask(m, self.bitmask, 0), self.bitmask[0],
+                                m.consume_token, ids, step)
+        if stop is not None:
+            return False, times, stop
         return _allowed(self.bitmask[0], self.eos) or m.is_stopped(), times, len(ids)
 
     def close(self, m):
@@ -215,22 +226,10 @@ class XGrammar:
 
     def walk(self, m, ids, step: bool = False):
         m.reset()
-        times = []
-        t0 = time.perf_counter()
-        for i, t in enumerate(ids):
-            if not step:
-                t0 = time.perf_counter()
-            m.fill_next_token_bitmask(self.bitmask)
-            if i or not step:
-                times.append(time.perf_counter() - t0)
-            if not _allowed(self.bitmask[0], t):
-                return False, times, i
-            t0 = time.perf_counter()
-            if not m.accept_token(t):
-                return False, times, i
-        m.fill_next_token_bitmask(self.bitmask)
-        if step and ids:
-            times.append(time.perf_counter() - t0)
+        times, stop = walk_peer(lambda: m.fill_next_token_bitmask(self.bitmask), self.bitmask[0], m.accept_token,
+                                ids, step)
+        if stop is not None:
+            return False, times, stop
         return _allowed(self.bitmask[0], self.eos) or m.is_terminated(), times, len(ids)
 
     def close(self, m):
@@ -260,25 +259,19 @@ class Outlines:
 
     def walk(self, g, ids, step: bool = False):
         g.reset()
-        times = []
         mask = self.mask
-        t0 = time.perf_counter()
-        for i, t in enumerate(ids):
-            if not step:
-                t0 = time.perf_counter()
-            g.write_mask_into(mask.ctypes.data, mask.size, 4)
-            if i or not step:
-                times.append(time.perf_counter() - t0)
-            if not _allowed(mask.view(np.uint32), t):
-                return False, times, i
-            t0 = time.perf_counter()
+
+        def advance(t):
             try:
                 g.advance(t, return_tokens=False)
-            except BaseException:   # noqa: BLE001
-                return False, times, i
-        g.write_mask_into(mask.ctypes.data, mask.size, 4)
-        if step and ids:
-            times.append(time.perf_counter() - t0)
+                return True
+            except BaseException:   # noqa: BLE001 - pyo3 panics are BaseException
+                return False
+
+        times, stop = walk_peer(lambda: g.write_mask_into(mask.ctypes.data, mask.size, 4), mask.view(np.uint32),
+                                advance, ids, step)
+        if stop is not None:
+            return False, times, stop
         return _allowed(mask.view(np.uint32), self.eos) or g.is_finished(), times, len(ids)
 
     def close(self, g):

@@ -36,7 +36,7 @@ def test_a_late_helper_sends_the_next_jobs_inline():
     def slow_helper(ctx, i):
         if threading.get_ident() != main:
             on_helper.append(i)
-            time.sleep(0.02)  # a helper that lost its core for a while
+            time.sleep(0.1)  # a helper that lost its core for a while (longer than any wait to claim)
             return
         deadline = time.monotonic() + 2
         while not on_helper and time.monotonic() < deadline:  # the caller: until a helper claimed one
