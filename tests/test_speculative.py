@@ -473,3 +473,16 @@ def test_probes_grow_rarer_while_drafting_is_not_expected_to_pay():
     assert gaps[0] == 2 * PROBE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_EVERY
     ad.hits, ad.tries = 9.0, 10.0  # drafts accepted again: drafting resumes, probes frequent again
     assert ad.choose_k(8, 0.01, 1e-4) > 0 and ad.probe_every == PROBE_EVERY
+
+
+def test_prompt_lookup_proposes_little_on_a_one_token_match():
+    """A one-token match (in free text mostly a common word) proposes at most 2 tokens; a longer
+    match proposes up to k: the continuation of its most recent occurrence."""
+    from rudder.engine.drafts import PromptLookup
+
+    lookup = PromptLookup()
+    seq = [5, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 5]  # ends in 5: a one-token match at the start
+    assert lookup.continuation(seq, 8) == [1, 2]
+    seq = [5, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 1, 2]  # ends in "1 2": a two-token match
+    assert lookup.continuation(seq, 8) == [3, 4, 6, 7, 8, 9, 10, 11]
+    assert lookup.continuation([1, 2, 3], 8) == []  # nothing occurred before

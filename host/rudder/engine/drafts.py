@@ -29,10 +29,12 @@ from .step import ScheduledSeq
 
 class PromptLookup:
     """n-gram match against the sequence itself: the longest suffix of 1..`max_ngram` tokens
-    that occurred before; its most recent occurrence's continuation is the proposal."""
+    that occurred before; its most recent occurrence's continuation is the proposal. A match of
+    one token is weak evidence (in free text it is mostly a common word), so its proposal is at
+    most `one_token_match` tokens; longer matches propose up to k."""
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, one_token_match: int = 2):
+        self.max_ngram, self.min_ngram, self.one_token_match = max_ngram, min_ngram, one_token_match
 
     def continuation(self, tokens: list[int], k: int) -> list[int]:
         arr = np.asarray(tokens, dtype=np.int64)
@@ -46,7 +48,7 @@ class PromptLookup:
                 hits = hits[arr[hits + j] == suffix[j]]
             if hits.size:
                 start = int(hits[-1]) + n
-                return arr[start: start + k].tolist()
+                return arr[start: start + (k if n > 1 else min(k, self.one_token_match))].tolist()
         return []
 
 
