@@ -193,6 +193,17 @@ def test_model_threads_caps_the_decoder(monkeypatch):
         EngineConfig(model_threads=0)
 
 
+def test_model_threads_is_refused_where_the_native_kernels_do_not_run():
+    """fp32 runs on torch's GEMMs, which the cap would not reach: refused by name, not ignored."""
+    from rudder.engine import Engine
+    from rudder.loading import load_model
+
+    model, tok = load_model("tiny", dtype="fp32")
+    with pytest.raises(ValueError, match="model_threads caps the native CPU kernels"):
+        Engine(model, tok, model_threads=1)
+    Engine(model, tok).close()  # without the option: fine
+
+
 def test_leave_cores_caps_the_decoder_without_teaching_the_choice(monkeypatch):
     seen, stack = _decoder_threads(monkeypatch, {}, True)  # controllers busy on a whole core
     assert seen == {1}

@@ -69,7 +69,7 @@ class ThreadChoice:
 
     def pick(self, rows: int) -> int:
         many = torch.get_num_threads()
-        if many == 1 or (native.amx_usable() and rows < SINGLE_THREAD_ROWS):
+        if _one_thread(rows, many):
             return 1
         st = self.state.setdefault(rows.bit_length(), [many, None, self.PROBE_MIN, self.PROBE_MIN])
         _latest[rows.bit_length()] = st[0]
@@ -91,9 +91,17 @@ class ThreadChoice:
             st[2] = st[3]
 
 
-
 _latest: dict[int, int] = {}  # size class -> the count a decoder stack chose last
 _cap = threading.local()
+
+
+def _one_thread(rows: int, many: int) -> bool:
+    return many == 1 or (native.amx_usable() and rows < SINGLE_THREAD_ROWS)
+
+
+def _capped(threads: int) -> int:
+    """`threads`, less the cores this thread's engine leaves to controllers (at least one)."""
+    return max(1, min(threads, torch.get_num_threads() - getattr(_cap, "leave", 0)))
 
 
 def leave_cores(n: int) -> None:
@@ -106,9 +114,7 @@ def _threads(rows: int) -> int:
     """Threads for a kernel called outside a decoder stack (the LM head, the torch path's
     attention): what the decoder chose last for calls of this size."""
     many = torch.get_num_threads()
-    if many == 1 or (native.amx_usable() and rows < SINGLE_THREAD_ROWS):
-        return 1
-    return max(1, min(_latest.get(rows.bit_length(), many), many - getattr(_cap, "leave", 0)))
+    return 1 if _one_thread(rows, many) else _capped(_latest.get(rows.bit_length(), many))
 
 
 def parallel_stats() -> dict:
@@ -214,11 +220,8 @@ class DecoderStack:
         if hook is not None:
             hook()
         rows = x.shape[0]
-        threads = picked = self.threads.pick(rows)
-        leave = getattr(_cap, "leave", 0)
-        if leave:
-            threads = max(1, min(threads, torch.get_num_threads() - leave))
-        step.struct.threads = threads
+        picked = self.threads.pick(rows)
+        threads = step.struct.threads = _capped(picked)
         t0 = time.perf_counter()
         if _kernels().rudder_decoder(self.array, self.count, step.struct, x.data_ptr(), self.hidden, self.eps,
                                      kv_cache.data_ptr(), stride, threads):

@@ -100,6 +100,10 @@ class Engine:
         self.cfg = model.cfg
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.runner: Runner = runner or ModelRunner(model, config.num_blocks, config.block_size)
+        if config.model_threads is not None and not self.runner.capabilities.native_decoder:
+            raise ValueError("model_threads caps the native CPU kernels of a bf16 or int8 model in this process; "
+                             "this model does not run on them (fp32, a GPU, or a pipeline's stages): set torch's "
+                             "threads instead (pipeline_threads for a pipeline)")
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_seqs)
         self.steering = Steering(self.block_manager, self.scheduler, tokenizer.stop_token_ids,
                                  self.cfg.max_position, config.max_forks, self._release_sequence)

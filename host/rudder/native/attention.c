@@ -84,25 +84,10 @@ static inline v16f exp16_neg(v16f x) {
     return p * scale;
 }
 
-/* Lane i takes lane i + w, for w = 8, 4, 2, 1: a fixed order of operations in registers. */
-#define FOLD16(v, op)                                                                              \
-    do {                                                                                           \
-        v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)); \
-        v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));     \
-        v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));     \
-        v = op(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));     \
-    } while (0)
 #define MAX_OP(a, b) __builtin_elementwise_max(a, b)
-#define ADD_OP(a, b) ((a) + (b))
 
 static inline float hmax16(v16f v) {
     FOLD16(v, MAX_OP);
-    return v[0];
-}
-
-/* The sum of kernels.h's hsum16 (the same additions in the same order), without memory. */
-static inline float vsum16(v16f v) {
-    FOLD16(v, ADD_OP);
     return v[0];
 }
 
@@ -198,7 +183,7 @@ static inline v16f reduce16(const v16f p[16]) {
                 top = top > mi[r] ? top : mi[r];                                                   \
                 float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
                 sc[r] = exp16_neg(x - top);                                                        \
-                li[r] = li[r] * corr + vsum16(sc[r]);                                              \
+                li[r] = li[r] * corr + hsum16(sc[r]);                                              \
                 mi[r] = top;                                                                       \
                 for (int c = 0; c < (D) / 16; c++)                                                 \
                     ai[r * ((D) / 16) + c] *= corr;                                                \

@@ -114,14 +114,21 @@ static inline void store1(void *base, int bf16, int64_t i, float v) {
         ((float *)base)[i] = v;
 }
 
+/* Lane i takes lane i + w, for w = 8, 4, 2, 1 (lane 0 ends with all 16): a fixed order of
+ * operations, in registers. */
+#define FOLD16(v, op)                                                                              \
+    do {                                                                                           \
+        v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)); \
+        v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));     \
+        v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));     \
+        v = op(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));     \
+    } while (0)
+#define FOLD_ADD(a, b) ((a) + (b))
+
 /* Lanes summed in a fixed order (pairwise), so a dot product never depends on the batch. */
 static inline float hsum16(v16f v) {
-    float s[16];
-    memcpy(s, &v, sizeof s);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++)
-            s[i] += s[i + w];
-    return s[0];
+    FOLD16(v, FOLD_ADD);
+    return v[0];
 }
 
 #endif
