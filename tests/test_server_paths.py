@@ -105,22 +105,29 @@ def test_a_queued_request_waits_then_runs():
     /healthz and /metrics), a fourth is refused with 429 at once; when the running one ends,
     the waiting ones run, in order."""
     cfg = ServerConfig(model=SLOW_TINY, max_concurrent=1, max_queue=2, max_tokens=5000)
+    # The order the server finished them in, from its one line per finished request (told apart
+    # by their prompts' lengths): client-side clocks are read after the response, by threads
+    # that may wait for a core, and once put c before b by 0.3 ms.
+    finished = []
+    handler = logging.Handler()
+    handler.emit = lambda record: finished.append(record.getMessage())
+    server_log = logging.getLogger("rudder.server")
+    level = server_log.level
+    server_log.addHandler(handler)
+    server_log.setLevel(logging.INFO)
     with LiveServer(cfg) as s, s.client() as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
-        done_at = {}
-
-        def short(name):
+        def short(prompt):
             with s.client() as own:
-                r = own.post("/v1/run", json={"prompt": name, "max_tokens": 3, "stream": False, "ignore_eos": True})
-                done_at[name] = time.monotonic()  # (before the client's close, which took longer than c's run once)
-            return r
+                return own.post("/v1/run", json={"prompt": prompt, "max_tokens": 3, "stream": False,
+                                                 "ignore_eos": True})
 
         with c.stream("POST", "/v1/run", json={"prompt": "a", **LONG}) as running:
             assert running.status_code == 200
             events = sse_events(running)
             assert next(events)["type"] == "step"
-            first = pool.submit(short, "b")
+            first = pool.submit(short, "b")  # (one token)
             assert wait_for(lambda: c.get("/healthz").json()["queued"] == 1)
-            second = pool.submit(short, "c")
+            second = pool.submit(short, "c c c c c")  # (more)
             assert wait_for(lambda: c.get("/healthz").json()["queued"] == 2)
             health = c.get("/healthz").json()
             assert (health["running"], health["queued"]) == (1, 2)
@@ -135,7 +142,10 @@ def test_a_queued_request_waits_then_runs():
             assert r.status_code == 200, r.text
             [choice] = r.json()["choices"]
             assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 3
-        assert done_at["b"] <= done_at["c"]
+        server_log.removeHandler(handler)
+        server_log.setLevel(level)
+        lengths = [int(m.split("prompt_tokens=")[1].split()[0]) for m in finished if "completion_tokens=3 " in m]
+        assert len(lengths) == 2 and lengths[0] < lengths[1]  # b ran (and ended) before c
         assert wait_for(lambda: (c.get("/healthz").json()["running"], c.get("/healthz").json()["queued"]) == (0, 0))
 
 
