@@ -151,6 +151,24 @@ def test_controllers_that_keep_a_core_busy_are_measured():
         calls.close()
 
 
+class _Where:
+    def mid_process(self, branch_idx, backtrack, tokens):
+        return threading.current_thread().name
+
+
+def test_inline_calls_run_on_the_calling_thread():
+    """A speculative draft's lone call runs inline (no worker round trip); others on workers."""
+    from rudder.engine.controller_calls import ControllerCalls
+
+    calls = ControllerCalls(1)
+    try:
+        here = threading.current_thread().name
+        assert calls.submit([(0, _Where(), 0, 0, [1])], inline=True)[0].result()[0] == here
+        assert calls.submit([(0, _Where(), 0, 0, [1])])[0].result()[0] != here
+    finally:
+        calls.close()
+
+
 def _decoder_threads(monkeypatch, engine_options: dict, busy_controllers: bool) -> tuple[set, object]:
     """The thread counts the native decoder was called with over a short generation."""
     from rudder import SamplingParams

@@ -172,3 +172,22 @@ def test_greedy_under_masks_is_the_general_paths_answer():
     general = Sampler(V).sample(logits.clone(), [SamplingParams(temperature=0, logprobs=0)] * 4, rngs(range(4)),
                                 masks)  # logprobs asked: the general path
     assert general.tokens == want
+
+
+def test_take_rows_matches_index_select_and_copies_only_when_asked():
+    from rudder.engine.sampler import take_rows
+
+    t = torch.arange(5 * 7, dtype=torch.float32).view(5, 7)
+    for rows in ([0], [1, 2, 3], [0, 1, 2, 3, 4], [3, 1], [2, 2, 2], [0, 2, 4], [4]):
+        expected = t.index_select(0, torch.tensor(rows))
+        assert torch.equal(take_rows(t, rows), expected)
+        assert torch.equal(take_rows(t, rows, copy=True), expected)
+    view = take_rows(t, [1, 2])  # consecutive: a view, so in-place work reaches the rows
+    view[0, 0] = -1.0
+    assert t[1, 0] == -1.0
+    copied = take_rows(t, [1, 2], copy=True)
+    copied[0, 0] = -2.0
+    assert t[1, 0] == -1.0
+    shared = take_rows(t, [3, 3])  # forks sharing a row get rows of their own
+    shared[0, 0] = -3.0
+    assert t[3, 0] != -3.0 and shared[1, 0] != -3.0

@@ -52,17 +52,17 @@ class ControllerCalls:
         for worker in self._workers:
             worker.start()
 
-    def submit(self, calls: list, hold: bool = False) -> dict[object, Future]:
+    def submit(self, calls: list, hold: bool = False, inline: bool = False) -> dict[object, Future]:
         """Start calls `(key, controller, branch_idx, backtrack, tokens)`; a Future per key,
-        whose result is (answer, CPU seconds). With no threads the calls run here, now. `hold`:
-        the workers get them only at `release()` (the engine releases them when its forward
-        pass enters native code)."""
+        whose result is (answer, CPU seconds). With no threads, or `inline`, the calls run here,
+        now. `hold`: the workers get them only at `release()` (the engine releases them when its
+        forward pass enters native code)."""
         futures = {}
         for key, *call in calls:
             future: Future = Future()
-            if hold and self.threads:
+            if hold and self.threads and not inline:
                 self._held.append((future, call))
-            elif self.threads:
+            elif self.threads and not inline:
                 self._queue.put((future, call))
             else:
                 future.set_result(run_call(*call))

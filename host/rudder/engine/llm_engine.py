@@ -48,7 +48,7 @@ from .cursor import Controller, ControllerCursor
 from .model_runner import ModelRunner
 from .output import Completion, Delta, TextOutput
 from .runner import Runner, RunnerFailure
-from .sampler import Sampler
+from .sampler import Sampler, take_rows
 from .scheduler import Scheduler
 from .sequence import Request, SamplingParams, Sequence
 from .step import ScheduledSeq
@@ -346,7 +346,7 @@ class Engine:
             seq.request.usage.controller_s += secs
             samples = [s for s in self.steering.apply_answer(seq, 0, answer, deltas, secs) if not s.seq.finished]
             if samples:  # every fork samples from the kept row (row 0 of it)
-                rows = late.logits.index_select(0, torch.zeros(len(samples), dtype=torch.long))
+                rows = take_rows(late.logits, [0] * len(samples))
                 self._sample(None, samples, deltas, kept=rows)
             self._check_budgets({seq.request}, deltas)
 

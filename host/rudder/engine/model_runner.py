@@ -10,7 +10,7 @@ from ..model import LlamaModel, native_stack
 from ..packed_linear import pack_linears
 from .kv_cache import KVCache
 from .runner import Capabilities
-from .sampler import SampleOutput, Sampler
+from .sampler import SampleOutput, Sampler, take_rows
 from .step import ScheduledSeq, StepArrays
 
 __all__ = ["ModelRunner"]
@@ -45,14 +45,14 @@ class ModelRunner:
         return self.model.logits(hidden).float()
 
     def logits(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        return logits.index_select(0, torch.tensor(rows, device=logits.device))
+        return take_rows(logits, rows)
 
     def sample(self, logits: torch.Tensor, rows: list[int], params: list, rngs: list, masks: list,
                history: list | None = None) -> SampleOutput:
         """Sample one token per entry of `rows` (rows of `logits`; forks share a row), each under
         its own params, generator and mask (`history`: see Sampler.sample)."""
         if rows != list(range(logits.shape[0])):  # forks share a row; some rows do not sample
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = take_rows(logits, rows)
         return self.sampler.sample(logits, params, rngs, masks, history)
 
     def skip(self, logits: torch.Tensor) -> None:

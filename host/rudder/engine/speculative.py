@@ -365,13 +365,16 @@ class Speculator:
         tell = {seq: seq.cursor.call() for seq in drafts if seq.cursor is not None}
         while True:
             t0 = time.perf_counter()
-            tasks = self._start_calls(tell)
             by_source = {"draft": [], "lookup": []}
             for seq, d in drafts.items():
                 # (a draft that has its k proposals needs only the controller's last answer, not
                 # the draft model's next logits: one forward fewer per drafting step)
                 if not d.done and sum(not st.forced for st in d.steps) < d.k:
                     by_source[seq.params.speculative].append(seq)
+            # One call with nothing to overlap it (no draft model's forward, no other sequence's
+            # call) runs here: a worker thread's round trip costs ~50-100 us, and a draft of k
+            # tokens makes k of them (speculative.py, extraction: ~0.5 ms a step).
+            tasks = self._start_calls(tell, inline=len(tell) <= 1 and not by_source["draft"])
             model_rows, caught_up = {}, True
             if by_source["draft"]:  # the draft model computes while the controllers run
                 jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
@@ -414,9 +417,10 @@ class Speculator:
             seq.draft = d
             seq.token_ids.extend(d.tokens)  # pending: the scheduler feeds them with the real token
 
-    def _start_calls(self, tell: dict) -> dict:
+    def _start_calls(self, tell: dict, inline: bool) -> dict:
         """The controllers' mid_process calls: a Future of (answer, CPU seconds) per sequence."""
-        return self.engine.calls.submit([(seq, seq.cursor.controller, *args) for seq, args in tell.items()])
+        return self.engine.calls.submit([(seq, seq.cursor.controller, *args) for seq, args in tell.items()],
+                                        inline=inline)
 
     def _next_step(self, seq, d: Draft, draft_logits) -> _Step | None:
         """The next drafted position under the controller's latest answer, or None to end the

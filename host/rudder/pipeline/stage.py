@@ -21,7 +21,7 @@ import torch
 
 from ..branch import mask_words
 from ..engine.kv_cache import KVCache
-from ..engine.sampler import Sampler
+from ..engine.sampler import Sampler, take_rows
 from ..engine.step import StepArrays
 from ..loading import load_config
 from .partition import partition
@@ -110,7 +110,7 @@ class Stage:
         started = time.perf_counter()
         rows, params, uniforms, row_masks = inputs
         if rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = take_rows(logits, rows)
         out = self.sampler.sample(logits, params, uniforms, row_masks)
         link.send(torch.tensor(out.tokens, dtype=torch.int32), 0, TOKENS)
         extra = encode_logprobs(params, out)
