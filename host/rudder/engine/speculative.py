@@ -33,7 +33,7 @@ import torch
 from ..branch import Branch
 from .branching import Sample, ends_sequence, mask_allows, tokens_after
 from .drafts import DraftModel, PromptLookup, build_draft_model
-from .sampler import Sampler, argmax, keep_nucleus
+from .sampler import Sampler, argmax, keep_nucleus, take_rows
 
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
@@ -468,10 +468,12 @@ class Speculator:
             return token, None
         if draft_logits is None:
             return None, None
-        row = draft_logits.clone()
+        # (numpy on the CPU: torch's copy and max over a vocabulary row run on its OpenMP
+        # threads, whose spinning afterwards slows the next forward - see sampler.take_rows)
+        row = take_rows(draft_logits.unsqueeze(0), [0], copy=True)[0]
         if mask is not None:
             self.sampler.apply_masks(row.unsqueeze(0), [mask])
-        if torch.isneginf(row.max()):
+        if (row.numpy().max() if row.device.type == "cpu" else row.max()) == float("-inf"):
             return None, None
         if seq.params.temperature == 0:
             return int(argmax(row)), None
