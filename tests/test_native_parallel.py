@@ -206,9 +206,12 @@ def _decoder_threads(monkeypatch, engine_options: dict, busy_controllers: bool) 
 def test_model_threads_caps_the_decoder(monkeypatch):
     assert _decoder_threads(monkeypatch, {}, False)[0] == {2}
     assert _decoder_threads(monkeypatch, {"model_threads": 1}, False)[0] == {1}
-    with pytest.raises(ValueError, match="model_threads"):
-        from rudder.engine.config import EngineConfig
-        EngineConfig(model_threads=0)
+    # "shared" (rudder serve's default): one core kept for controllers, whatever they do
+    assert _decoder_threads(monkeypatch, {"model_threads": "shared"}, False)[0] == {1}
+    from rudder.engine.config import EngineConfig
+    for bad in (0, "half", True):
+        with pytest.raises(ValueError, match="model_threads"):
+            EngineConfig(model_threads=bad)
 
 
 def test_model_threads_is_refused_where_the_native_kernels_do_not_run():
@@ -220,6 +223,9 @@ def test_model_threads_is_refused_where_the_native_kernels_do_not_run():
     with pytest.raises(ValueError, match="model_threads caps the native CPU kernels"):
         Engine(model, tok, model_threads=1)
     Engine(model, tok).close()  # without the option: fine
+    engine = Engine(model, tok, model_threads="shared")  # "where there is a core to keep": none here
+    assert engine.config.model_threads is None
+    engine.close()
 
 
 def test_leave_cores_caps_the_decoder_without_teaching_the_choice(monkeypatch):

@@ -133,6 +133,15 @@ def _stages(text: str) -> int | list[int] | None:
     return counts if len(counts) > 1 else (counts[0] if counts[0] > 1 else None)
 
 
+def _model_threads(text: str) -> int | str | None:
+    """--model-threads: "shared" (a core kept for controllers), "all", or a number."""
+    if text in ("shared", "all"):
+        return None if text == "all" else text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"--model-threads takes shared, all or a number of threads >= 1, got {text!r}")
+
+
 def _fail(message: str, log_tail: str = "") -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     if log_tail:
@@ -355,10 +364,12 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
               None, "--pipeline-micro-batches", min=1,
               help="Steps in flight at once over the pipeline, each over its own share of the running "
                    "requests (default: one per stage)."),
-          model_threads: Optional[int] = typer.Option(
-              None, "--model-threads", min=1,
-              help="Most threads for the model's kernels (default: all, one fewer while controllers keep "
-                   "a core busy). One fewer than the cores keeps a core for tenants' controllers.")) -> None:
+          model_threads: str = typer.Option(
+              "shared", "--model-threads",
+              help="Threads for the model's native kernels: shared (the default: one fewer than the cores, "
+                   "so tenants' controllers always have a core and no request feels its neighbours' "
+                   "controllers), all (every core, one given back while controllers keep it busy: the "
+                   "fastest for one user), or a number.")) -> None:
     """Serve the model over HTTP: /v1/run (SSE), a controller registry, OpenAI-compatible completions."""
     import logging
     import os
@@ -388,7 +399,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                                               "max_seqs": max_seqs, "device": _device(device), "dtype": _dtype(dtype),
                                               "pipeline_stages": _stages(pipeline_stages),
                                               "micro_batches": pipeline_micro_batches,
-                                              "model_threads": model_threads,
+                                              "model_threads": _model_threads(model_threads),
                                               "guest_memory_bytes": guest_memory_mb << 20,
                                               "snapshot_bytes": snapshot_memory_mb << 20})
         from .controller import Limits

@@ -18,9 +18,12 @@ class EngineConfig:
     controller_threads: int = 2    # threads running controllers while the model computes (0: inline)
     micro_batches: int = 1         # steps in flight at once (pipelines: one per stage pays off)
     draft_model: str = "int8"      # the draft of requests with speculative="draft" (engine/drafts.py)
-    model_threads: int | None = None  # most threads for the model's native kernels (None: all,
-    #                                   one fewer while controllers keep a core busy); e.g. one
-    #                                   fewer than the cores keeps a core for tenants' controllers
+    # Most threads for the model's native kernels. None: all of torch's, one fewer while
+    # controllers keep a core busy (the fastest for one user). "shared": one fewer than torch's
+    # always, where the native kernels run on two or more (a shared server's default: tenants'
+    # controllers always have a core, so no request's speed depends on its neighbours'
+    # controllers; benchmarks/tenants.py). An int: at most that many.
+    model_threads: int | str | None = None
 
     def __post_init__(self):
         minimum = {"kv_cache_tokens": 1, "block_size": 1, "max_batch_tokens": 1, "max_seqs": 1, "max_forks": 1,
@@ -29,9 +32,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.model_threads is not None and (isinstance(self.model_threads, bool)
-                                               or not isinstance(self.model_threads, int) or self.model_threads < 1):
-            raise ValueError(f"model_threads must be an integer >= 1 or None, got {self.model_threads!r}")
+        m = self.model_threads
+        if m is not None and m != "shared" and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"model_threads must be an integer >= 1, \"shared\" or None, got {m!r}")
 
     @property
     def num_blocks(self) -> int:

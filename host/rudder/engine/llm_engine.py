@@ -100,6 +100,10 @@ class Engine:
         self.cfg = model.cfg
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.runner: Runner = runner or ModelRunner(model, config.num_blocks, config.block_size)
+        if config.model_threads == "shared":  # a core kept for controllers where there is one to keep
+            threads = torch.get_num_threads()
+            config = self.config = config.replace(
+                model_threads=threads - 1 if self.runner.capabilities.native_decoder and threads > 1 else None)
         if config.model_threads is not None and not self.runner.capabilities.native_decoder:
             raise ValueError("model_threads caps the native CPU kernels of a bf16 or int8 model in this process; "
                              "this model does not run on them (fp32, a GPU, or a pipeline's stages): set torch's "
