@@ -409,16 +409,14 @@ def test_the_guard_stops_drafting_that_is_measured_slower_and_backs_off_longer_e
 def test_a_draft_model_that_looks_too_dear_is_measured_again_by_its_probes():
     """When the estimates say drafting loses, only probes draft; a draft model's probe drafts 2
     tokens, so that its second round (the first also reads the tokens it sat out, and is not
-    timed) measures it and a stale, too-high cost comes down. Before the first measurement the
-    draft model's cost is a share of the target's, so drafting is tried whatever the target's
-    speed."""
-    from rudder.engine.speculative import UNMEASURED_DRAFT_SHARE
-
+    timed) measures it and a stale, too-high cost comes down. The draft model's costs are first
+    timed when it is built (DraftModel.calibrate), before any request drafts."""
     llm = LLM("tiny", kv_cache_tokens=2048, draft_model="layers:1")
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, speculative="draft", spec_k=4)
-    req = llm.engine.add_request("a b c d e f g h", params)  # (sets up the speculator)
+    req = llm.engine.add_request("a b c d e f g h", params)  # (builds the draft model)
     spec = llm.engine.spec
-    assert spec.t_draft["draft"] is None and 0 < UNMEASURED_DRAFT_SHARE < 1
+    assert 0 < spec.t_read < 1 and 0 < spec.t_draft["draft"] < 1  # timed at build
+    assert not spec.draft_model.cached and not spec.draft_model.bm.tables  # its throwaway sequence is gone
     spec.t_draft["draft"] = 10.0  # seconds per drafted token: drafting looks hopeless
     while not req.finished:
         llm.engine.step()
@@ -443,10 +441,26 @@ def test_the_draft_models_catch_up_is_not_timed_as_a_drafted_token():
     assert dm.fed == 1
 
 
-def test_a_short_answer_to_a_long_prompt_is_not_drafted_by_a_model():
+def test_a_draft_model_times_its_read_and_its_step_on_a_throwaway_sequence():
+    from rudder.engine.drafts import DraftModel
+    from rudder.loading import load_model
+
+    model, _ = load_model("tiny")
+    dm = DraftModel(model, 64, 4)
+    per_read, per_step = dm.calibrate()
+    assert 0 < per_read < per_step < 1  # a token read in a batch of 64 costs less than a step
+    assert not dm.cached and dm.bm.num_free == 64  # nothing kept
+    assert DraftModel(model, 8, 4).calibrate() is None  # 64 tokens do not fit 32 positions
+
+
+def test_a_short_answer_to_a_long_prompt_is_not_drafted_by_a_model(monkeypatch):
     """A draft model must first read what it has not seen (here a 1500-token prompt, ~0.1 of its
     step per token): drafting for a 10-token answer cannot repay that, so the request decodes
-    plain; a 10-token answer to a short prompt drafts."""
+    plain; a 10-token answer to a short prompt drafts. (The tiny model's draft is timed as dear
+    as the target, whose step is all overhead: the costs here are the untimed shares instead.)"""
+    from rudder.engine.drafts import DraftModel
+
+    monkeypatch.setattr(DraftModel, "calibrate", lambda self: None)
     llm = LLM("tiny", kv_cache_tokens=4096, draft_model="layers:1")
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, speculative="draft", spec_k=4)
     [long] = llm.generate(["a " * 750], [params])

@@ -14,6 +14,7 @@ The controller's own fast-forward tokens are the third source; they need no code
 from __future__ import annotations
 
 import copy
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -101,6 +102,27 @@ class DraftModel:
     def release(self, key: int) -> None:
         if self.cached.pop(key, None) is not None:
             self.bm.free(key)
+
+    def calibrate(self, read: int = 64, steps: int = 3) -> tuple[float, float] | None:
+        """(seconds per token read in one go, seconds per one-token step), timed on a throwaway
+        sequence: what drafting will cost is known before a request pays for finding out
+        (None if the cache has no room for it)."""
+        key, tokens = -1, list(range(1, read + 1))
+        try:
+            t0 = time.perf_counter()
+            if self.logits([(key, tokens)])[0] is None:
+                return None
+            per_read = (time.perf_counter() - t0) / read
+            times = []
+            for i in range(steps):
+                tokens.append(1 + i)
+                t0 = time.perf_counter()
+                if self.logits([(key, tokens)])[0] is None:
+                    return None
+                times.append(time.perf_counter() - t0)
+            return per_read, sorted(times)[len(times) // 2]
+        finally:
+            self.release(key)
 
 
 def _truncated(target, num_layers: int):
