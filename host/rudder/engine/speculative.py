@@ -298,7 +298,7 @@ class Speculator:
         now = time.perf_counter()
         for seq in running:  # the guard's clock: every speculative sequence's last step
             if seq.params.speculative and seq.params.seed is None:
-                self.adaptive.setdefault(seq.seq_id, _Adaptive()).step(now, len(seq))
+                self._adaptive(seq).step(now, len(seq))
         candidates = [s for s in running if s.params.speculative and s.num_pending == 1 and s.num_cached > 0
                       and (s.cursor is None or s.cursor.wants_call) and s.draft is None]
         if not candidates:
@@ -318,7 +318,7 @@ class Speculator:
                 room -= 1
             if room <= 0:
                 continue
-            ad = self.adaptive.setdefault(seq.seq_id, _Adaptive())
+            ad = self._adaptive(seq)
             if p.seed is None:
                 # The step to beat: this sequence's measured plain steps (the host's work
                 # included) once it has some, else the verification forwards' estimate.
@@ -340,6 +340,12 @@ class Speculator:
         if drafts:
             self._draft(drafts)
         self._began(running, set(candidates), now)
+
+    def _adaptive(self, seq) -> "_Adaptive":
+        ad = self.adaptive.get(seq.seq_id)
+        if ad is None:
+            ad = self.adaptive[seq.seq_id] = _Adaptive()
+        return ad
 
     def _repaid(self, seq, ad: "_Adaptive", k: int, t_target: float, t_draft: float) -> bool:
         """Whether what drafting can save over the rest of the request repays the draft model's
