@@ -3,6 +3,8 @@ request state, the token table, the module cache, parallelism."""
 
 from __future__ import annotations
 
+import itertools
+import struct
 import threading
 import time
 
@@ -480,3 +482,72 @@ def test_two_controllers_run_at_the_same_time(tok):
         assert result[0].samples and waiter.request.vars == {b"in": b"1", b"go": b"1"}
         waiter.close()
         setter.close()
+
+
+# -- the native step (native/deadline.c, rudder_step_call) against the Python decoder -----------
+
+_POKED_RESULT = 0x200  # the controller answers with the pointer the test stores here
+
+
+def _poked_answers(vocab: int, words: int, size: int):
+    """(result pointer, {address: bytes}) for every combination of valid, edge and broken
+    records: the result, the branch records (a second branch is a valid one), a mask's place and
+    bits (one set, none, one past the vocabulary), ff lists, a backtrack."""
+    for result, n_branches, branches, mask, n_ff, bits, backtrack in itertools.product(
+            [0x1000, 0, size - 4, 0x1002], [1, 0, 2], [0x1100, size - 8, 0x7FFFFFF0],
+            [0x2000, 0, 0x2002, size - 4, size - 4 * words], [0, 1], ["set", "none", "past"], [0, 2]):
+        writes = {0x3000: struct.pack("<II", 2, 0x3100), 0x3100: struct.pack("<II", 7, 8)}
+        if result + 8 <= size:
+            writes[result] = struct.pack("<II", n_branches, branches)
+        recs = struct.pack("<IIII", backtrack, mask, n_ff, 0x3000) + struct.pack("<IIII", 0, 0, 1, 0x3000)
+        if branches + len(recs) <= size:
+            writes[branches] = recs
+        content = np.zeros(words, dtype=np.uint32)
+        if bits == "set":
+            content[words // 2] = 0x10
+        elif bits == "past":
+            content[0] = 1
+            content[-1] = np.uint32(1 << 31) if vocab % 32 else 0
+        if mask and mask + 4 * words <= size:
+            writes[mask] = content.tobytes()
+        yield result, writes
+
+
+@pytest.mark.parametrize("vocab", [512, 300])  # 300: a mask whose last word has unused bits
+def test_the_native_step_answers_as_the_python_decoder(vocab):
+    """Valid, edge and broken result records: mid_process (the native fast path, or the decoder
+    where the fast path passes) gives what the Python decoder alone gives for the same memory -
+    the same Branches, or the same error."""
+    rt = ControllerRuntime(Tokenizer.byte_level(vocab), cache_dir=False)
+    try:
+        module = rt.load(wasm_of(controller_wat(mid=f"(i32.load (i32.const {_POKED_RESULT}))",
+                                               memory='(memory (export "memory") 4)')))
+        probe = rt.start(module)
+        assert probe._inst.step is not None, "the native library is needed for this test"
+        words, size = probe._decoder.mask_words, probe._inst.size
+        probe.close()
+
+        def answer(result: int, writes: dict[int, bytes], native: bool):
+            ctl = rt.start(module)
+            inst = ctl._inst
+            for addr, raw in writes.items():
+                inst.u8[addr:addr + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+            inst.u32[_POKED_RESULT >> 2] = result
+            if not native:
+                ctl._step = None  # the Python path throughout
+            try:
+                return [(b.backtrack, None if b.mask is None else b.mask.tobytes(), b.ff)
+                        for b in ctl.mid_process(0, 0, [5])]
+            except ControllerError as e:
+                return e.kind, str(e)
+            finally:
+                ctl.close()
+
+        fast = 0
+        for result, writes in _poked_answers(vocab, words, size):
+            native = answer(result, writes, True)
+            assert native == answer(result, writes, False), (hex(result), writes)
+            fast += isinstance(native, list) and len(native) == 1 and not native[0][2]
+        assert fast >= 20  # the fast path's own answers were among them
+    finally:
+        rt.close()

@@ -16,7 +16,7 @@ from ..branch import Branch
 from .errors import ControllerError
 from .fastcall import lib
 from .host_api import TOKENIZE_BYTES_STEP, HostState, RequestContext
-from .instance import Instance
+from .instance import Instance, wall_cap_ms
 from .limits import deadline_ticks
 from .result import ResultDecoder
 from .snapshot import clone_state
@@ -44,6 +44,11 @@ class Controller:
         inst.state.tokenize_cap = TOKENIZE_BYTES_STEP  # a step's budget is milliseconds
         self._in_ptr = 0   # the guest's input buffer, from the last rudder_input call
         self._in_cap = 0   # ... and its capacity in tokens
+        self._step = inst.step  # the native step (None without the native library)
+        if self._step is not None:
+            st = self._step
+            st.mask_words, st.tail_bits = self._decoder.mask_words, self._decoder.tail_bits
+            st.cpu_budget_ns, st.wall_budget_ns = int(self._ms * 1e6), int(wall_cap_ms(self._ms) * 1e6)
         self._failure: ControllerError | None = None
         self._closed = False
 
@@ -58,19 +63,35 @@ class Controller:
             raise self._unusable()
         try:
             n = len(tokens)
-            if n:
-                if n > self._in_cap:
-                    self._reserve_input(n)
-                p = self._in_ptr >> 2
-                if n == 1:
-                    inst.u32[p] = tokens[0]
-                else:
-                    inst.u32[p:p + n] = tokens
-            slots = inst.vals_i32
-            slots[0] = branch_idx
-            slots[4] = backtrack
-            slots[8] = n
-            ptr = inst.call("rudder_mid_process", 3, self._ticks, self._ms)
+            if n > self._in_cap:
+                self._reserve_input(n)
+            st = self._step
+            if st is not None:
+                # One crossing: the token written, the guarded call, the common answer checked
+                # (native/deadline.c, rudder_step_call); anything else is read below.
+                if n > 1:
+                    inst.u32[self._in_ptr >> 2:(self._in_ptr >> 2) + n] = tokens
+                err = inst.step_call(st, branch_idx, backtrack, n, tokens[0] if n == 1 else 0)
+                if err or inst.trap[0]:
+                    raise inst.native_call_error(err, "rudder_mid_process", self._ms)
+                if st.status == 0:
+                    if st.n_branches == 0:
+                        return []
+                    mask = st.mask
+                    return [Branch(st.backtrack, inst.mask_view(mask, self._decoder.mask_words) if mask else None)]
+                ptr = st.result
+            else:
+                if n:
+                    p = self._in_ptr >> 2
+                    if n == 1:
+                        inst.u32[p] = tokens[0]
+                    else:
+                        inst.u32[p:p + n] = tokens
+                slots = inst.vals_i32
+                slots[0] = branch_idx
+                slots[4] = backtrack
+                slots[8] = n
+                ptr = inst.call("rudder_mid_process", 3, self._ticks, self._ms)
             if _memory_size(inst.ctx, inst.memory) != inst.size:  # it grew: count it (~0.3 us a call)
                 inst.remap()
                 if not inst.within_budget:
@@ -94,7 +115,12 @@ class Controller:
             raise ControllerError(
                 "invalid_result", f"rudder_input({cap}) returned {ptr:#x}: not a 4-byte aligned "
                 f"buffer of {4 * cap} bytes inside memory ({inst.size} bytes)", inst.log_tail())
+        self._set_input(ptr, cap)
+
+    def _set_input(self, ptr: int, cap: int) -> None:
         self._in_ptr, self._in_cap = ptr, cap
+        if self._step is not None:
+            self._step.in_ptr = ptr
 
     # ------------------------------------------------------------------ fork / close
 
@@ -125,7 +151,7 @@ class Controller:
                 req.live -= 1
             raise
         child = Controller(shared, self._cmod, req, child_inst)
-        child._in_ptr, child._in_cap = self._in_ptr, self._in_cap
+        child._set_input(self._in_ptr, self._in_cap)
         return child
 
     def close(self) -> None:

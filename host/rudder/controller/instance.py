@@ -177,12 +177,21 @@ class Instance:
         # Argument/result slots of the unchecked calls: 16 bytes each, i32 in the first 4.
         self.vals = ffi.new("wasmtime_val_raw_t[4]")
         self.vals_i32 = ffi.cast("int32_t *", self.vals)  # slot k is vals_i32[4 * k]
+        self.step = None  # the native per-token step's arguments (controller.py's fast path)
         if self.deadline is not None:  # the native guarded call's arguments, converted once
             native = _native_deadlines()
             self._guarded = native.guarded_call
             self._native_ffi = native.ffi
             self._n_args = (native.pointer(ctx), native.pointer(self.vals), native.pointer(self.trap, "void **"))
             self._n_funcs = {name: native.pointer(f) for name, f in self.funcs.items()}
+            step = self.step = native.ffi.new("rudder_step *")
+            step.deadline, step.func = self.deadline, self._n_funcs["rudder_mid_process"]
+            step.context, step.trap = self._n_args[0], self._n_args[2]
+            step.args = native.pointer(self.vals, "int32_t *")
+            step.memory = native.pointer(self.memory)
+            step.memory_size = native.pointer(lib.wasmtime_memory_data_size)
+            self.step_call = native.lib.rudder_step_call
+        self._views: dict[int, np.ndarray] = {}  # mask views by pointer, until memory is remapped
         self.size = -1
         self.remap()
 
@@ -209,7 +218,21 @@ class Instance:
         self.u8 = np.frombuffer(buf, dtype=np.uint8)
         self.u32 = np.frombuffer(buf, dtype=np.uint32)  # sizes are whole 64 KiB pages
         self.size = size
+        self._views = {}
+        if self.step is not None:
+            self.step.base = self._native_ffi.cast("uint8_t *", base)
+            self.step.size = size
         self.within_budget = self.store.account(size)
+
+    def mask_view(self, ptr: int, words: int) -> np.ndarray:
+        """The zero-copy view of `words` mask words at `ptr` (4-byte aligned, checked inside memory
+        by the caller); a guest mostly answers with the same buffer, so views are kept by address."""
+        view = self._views.get(ptr)
+        if view is None or view.shape[0] != words:
+            if len(self._views) >= 64:
+                self._views.clear()
+            view = self._views[ptr] = self.u32[ptr >> 2:(ptr >> 2) + words]
+        return view
 
     def check_growth(self) -> bool:
         """Remap if the guest grew its memory; True if it did."""
@@ -261,11 +284,11 @@ class Instance:
             ctx, vals, trap = self._n_args
             err = self._guarded(self.deadline, ctx, self._n_funcs[name], vals, n_slots, trap,
                                 int(ms * 1e6), int(wall_cap_ms(ms) * 1e6))
-            if err:
-                err = ffi.cast("wasmtime_error_t *", int(self._native_ffi.cast("uintptr_t", err)))
-        else:
-            _set_deadline(self.ctx, ticks)
-            err = _call_unchecked(self.ctx, self.funcs[name], self.vals, n_slots, self.trap)
+            if err or self.trap[0]:
+                raise self.native_call_error(err, name, ms)
+            return self.vals_i32[0]
+        _set_deadline(self.ctx, ticks)
+        err = _call_unchecked(self.ctx, self.funcs[name], self.vals, n_slots, self.trap)
         if err or self.trap[0]:
             raise self._call_error(err, name, ms)
         # No memory-size check here (it would cost ~0.5 us a call): memory never shrinks, so
@@ -279,6 +302,13 @@ class Instance:
         state = self.state
         log = state.request.log if state.request is not None else state.log
         return ControllerError.tail_of(log)
+
+    def native_call_error(self, err, name: str, ms: float) -> ControllerError:
+        """The error of a call through the native library that returned `err` (its pointer type)
+        or trapped."""
+        if err:
+            err = ffi.cast("wasmtime_error_t *", int(self._native_ffi.cast("uintptr_t", err)))
+        return self._call_error(err, name, ms)
 
     def _call_error(self, err, name: str, ms: float) -> ControllerError:
         # A trap raised by a host function arrives as an error, not as a trap.

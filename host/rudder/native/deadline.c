@@ -16,6 +16,7 @@
  * for a thread that ran throughout, and at most one tick too much for one that waited.
  */
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 typedef void *(*rudder_error_new_fn)(const char *message);   /* wasmtime_error_new */
@@ -87,5 +88,78 @@ void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8
         return d->error_new("rudder: the call reached its wall-clock cap");
     }
     *delta = (uint64_t)(left / d->tick_ns) + 1;
+    return 0;
+}
+
+/* The per-token step (controller/controller.py's fast path), one crossing from Python: write the
+ * step's one new token into the guest's input buffer, make the guarded call, and check the common
+ * answer - no branch, or one Branch with a mask or none and no fast-forward lists - against the
+ * memory it lies in, as controller/result.py would (the mask inside memory and 4-byte aligned, no
+ * bit at or past the vocabulary, some bit set). Anything else (several branches, ff lists, a
+ * null or bad pointer, memory that grew during the call) is left to result.py, which also words
+ * every error: status 1. No allocation, no vocabulary-sized work but the scan for a set bit,
+ * which stops at the first non-zero word. */
+typedef struct rudder_step {
+    rudder_deadline *deadline;
+    void *context; const void *func; int32_t *args; void **trap;
+    const void *memory; void *memory_size; /* wasmtime_memory_data_size */
+    uint8_t *base; uint64_t size;          /* linear memory as the host mapped it (Instance.remap) */
+    uint32_t in_ptr;                       /* the input buffer that rudder_input returned */
+    uint32_t mask_words, tail_bits;        /* words of a mask; used bits of its last word (0: 32) */
+    int64_t cpu_budget_ns, wall_budget_ns;
+    int32_t result;                        /* out: the call's i32 result */
+    int32_t status;                        /* out: 0 the answer is below; 1 result.py reads it */
+    uint32_t n_branches, backtrack, mask;  /* out (status 0): 0 or 1 branch; its backtrack, mask */
+} rudder_step;
+
+typedef size_t (*rudder_memory_size_fn)(const void *context, const void *memory);
+
+static uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+void *rudder_step_call(rudder_step *s, int32_t branch_idx, int32_t backtrack, int32_t n, uint32_t token) {
+    if (n == 1)
+        memcpy(s->base + s->in_ptr, &token, 4); /* (more tokens: the caller wrote them) */
+    s->args[0] = branch_idx; /* 16-byte value slots, an i32 in the first 4 bytes of each */
+    s->args[4] = backtrack;
+    s->args[8] = n;
+    s->status = 1;
+    void *err = rudder_guarded_call(s->deadline, s->context, s->func, s->args, 3, s->trap, s->cpu_budget_ns,
+                                    s->wall_budget_ns);
+    if (err || *s->trap)
+        return err;
+    uint32_t ptr = (uint32_t)(s->result = s->args[0]);
+    if (((rudder_memory_size_fn)s->memory_size)(s->context, s->memory) != s->size)
+        return 0;
+    if (ptr == 0 || (uint64_t)ptr + 8 > s->size)
+        return 0;
+    uint32_t n_branches = load_u32(s->base + ptr), branches = load_u32(s->base + ptr + 4);
+    if (n_branches == 0) {
+        s->n_branches = 0;
+        s->status = 0;
+        return 0;
+    }
+    if (n_branches != 1 || (uint64_t)branches + 16 > s->size || load_u32(s->base + branches + 8) != 0)
+        return 0;
+    uint32_t mask = load_u32(s->base + branches + 4);
+    if (mask) {
+        if ((mask & 3) || (uint64_t)mask + 4 * (uint64_t)s->mask_words > s->size)
+            return 0;
+        const uint32_t *w = (const uint32_t *)(s->base + mask);
+        if (s->tail_bits && (w[s->mask_words - 1] >> s->tail_bits))
+            return 0;
+        uint32_t i = 0;
+        while (i < s->mask_words && w[i] == 0)
+            i++;
+        if (i == s->mask_words)
+            return 0;
+    }
+    s->n_branches = 1;
+    s->backtrack = load_u32(s->base + branches);
+    s->mask = mask;
+    s->status = 0;
     return 0;
 }
