@@ -27,6 +27,7 @@ __all__ = ["Controller"]
 # after a short prompt don't each need a second call into the guest.
 MIN_INPUT_CAPACITY = 64
 _memory_size = lib.wasmtime_memory_data_size
+STEP_FAILED = -1  # rudder_step_call's codes (native/deadline.c)
 
 
 class Controller:
@@ -45,6 +46,7 @@ class Controller:
         self._in_ptr = 0   # the guest's input buffer, from the last rudder_input call
         self._in_cap = 0   # ... and its capacity in tokens
         self._step = inst.step  # the native step (None without the native library)
+        self._mask_words = self._decoder.mask_words
         if self._step is not None:
             st = self._step
             st.mask_words, st.tail_bits = self._decoder.mask_words, self._decoder.tail_bits
@@ -71,15 +73,15 @@ class Controller:
                 # (native/deadline.c, rudder_step_call); anything else is read below.
                 if n > 1:
                     inst.u32[self._in_ptr >> 2:(self._in_ptr >> 2) + n] = tokens
-                err = inst.step_call(st, branch_idx, backtrack, n, tokens[0] if n == 1 else 0)
-                if err or inst.trap[0]:
-                    raise inst.native_call_error(err, "rudder_mid_process", self._ms)
-                if st.status == 0:
-                    if st.n_branches == 0:
-                        return []
-                    mask = st.mask
-                    return [Branch(st.backtrack, inst.mask_view(mask, self._decoder.mask_words) if mask else None)]
-                ptr = st.result
+                r = inst.step_call(st, branch_idx, backtrack, n, tokens[0] if n == 1 else 0)
+                if r > 0:  # one Branch: 1 | mask pointer << 1 | backtrack << 33
+                    mask = (r >> 1) & 0xFFFFFFFF
+                    return [Branch(r >> 33, inst.mask_view(mask, self._mask_words) if mask else None)]
+                if r == 0:
+                    return []
+                if r == STEP_FAILED:
+                    raise inst.native_call_error(st.error, "rudder_mid_process", self._ms)
+                ptr = st.result  # STEP_DECODE: result.py reads it
             else:
                 if n:
                     p = self._in_ptr >> 2

@@ -228,7 +228,7 @@ class Instance:
         """The zero-copy view of `words` mask words at `ptr` (4-byte aligned, checked inside memory
         by the caller); a guest mostly answers with the same buffer, so views are kept by address."""
         view = self._views.get(ptr)
-        if view is None or view.shape[0] != words:
+        if view is None:  # (one controller, one vocabulary: always `words` long)
             if len(self._views) >= 64:
                 self._views.clear()
             view = self._views[ptr] = self.u32[ptr >> 2:(ptr >> 2) + words]

@@ -44,9 +44,9 @@ typedef struct rudder_step {
     rudder_deadline *deadline; void *context; const void *func; int32_t *args; void **trap;
     const void *memory; void *memory_size; uint8_t *base; uint64_t size; uint32_t in_ptr;
     uint32_t mask_words, tail_bits; int64_t cpu_budget_ns, wall_budget_ns;
-    int32_t result, status; uint32_t n_branches, backtrack, mask;
+    void *error; int32_t result;
 } rudder_step;
-void *rudder_step_call(rudder_step *s, int32_t branch_idx, int32_t backtrack, int32_t n, uint32_t token);
+int64_t rudder_step_call(rudder_step *s, int32_t branch_idx, int32_t backtrack, int32_t n, uint32_t token);
 typedef struct rudder_attn_step {
     int64_t tokens; const int64_t *positions; const int64_t *slots; const int64_t *seq_of; const int64_t *tables;
     int64_t width, block_size; const float *cos, *sin; int64_t heads, kv_heads, head_dim;

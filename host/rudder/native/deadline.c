@@ -97,8 +97,12 @@ void *rudder_deadline_callback(void *context, void *data, uint64_t *delta, uint8
  * memory it lies in, as controller/result.py would (the mask inside memory and 4-byte aligned, no
  * bit at or past the vocabulary, some bit set). Anything else (several branches, ff lists, a
  * null or bad pointer, memory that grew during the call) is left to result.py, which also words
- * every error: status 1. No allocation, no vocabulary-sized work but the scan for a set bit,
- * which stops at the first non-zero word. */
+ * every error. No allocation, no vocabulary-sized work but the scan for a set bit, which stops
+ * at the first non-zero word.
+ *
+ * Returns STEP_FAILED (the call's error in `error`, or a trap in `*trap`), STEP_DECODE (result.py
+ * reads the answer at `result`), 0 (no branch: stop), or one Branch packed into the value (read
+ * with the fewest Python operations): 1 | mask pointer << 1 | backtrack << 33. */
 typedef struct rudder_step {
     rudder_deadline *deadline;
     void *context; const void *func; int32_t *args; void **trap;
@@ -107,10 +111,13 @@ typedef struct rudder_step {
     uint32_t in_ptr;                       /* the input buffer that rudder_input returned */
     uint32_t mask_words, tail_bits;        /* words of a mask; used bits of its last word (0: 32) */
     int64_t cpu_budget_ns, wall_budget_ns;
-    int32_t result;                        /* out: the call's i32 result */
-    int32_t status;                        /* out: 0 the answer is below; 1 result.py reads it */
-    uint32_t n_branches, backtrack, mask;  /* out (status 0): 0 or 1 branch; its backtrack, mask */
+    void *error;                           /* out (STEP_FAILED): the call's error, if not a trap */
+    int32_t result;                        /* out (STEP_DECODE): the call's i32 result */
 } rudder_step;
+
+#define STEP_FAILED (-1)
+#define STEP_DECODE (-2)
+#define MAX_PACKED_BACKTRACK (1u << 29)
 
 typedef size_t (*rudder_memory_size_fn)(const void *context, const void *memory);
 
@@ -120,46 +127,40 @@ static uint32_t load_u32(const uint8_t *p) {
     return v;
 }
 
-void *rudder_step_call(rudder_step *s, int32_t branch_idx, int32_t backtrack, int32_t n, uint32_t token) {
+int64_t rudder_step_call(rudder_step *s, int32_t branch_idx, int32_t backtrack, int32_t n, uint32_t token) {
     if (n == 1)
         memcpy(s->base + s->in_ptr, &token, 4); /* (more tokens: the caller wrote them) */
     s->args[0] = branch_idx; /* 16-byte value slots, an i32 in the first 4 bytes of each */
     s->args[4] = backtrack;
     s->args[8] = n;
-    s->status = 1;
-    void *err = rudder_guarded_call(s->deadline, s->context, s->func, s->args, 3, s->trap, s->cpu_budget_ns,
-                                    s->wall_budget_ns);
-    if (err || *s->trap)
-        return err;
+    s->error = rudder_guarded_call(s->deadline, s->context, s->func, s->args, 3, s->trap, s->cpu_budget_ns,
+                                   s->wall_budget_ns);
+    if (s->error || *s->trap)
+        return STEP_FAILED;
     uint32_t ptr = (uint32_t)(s->result = s->args[0]);
     if (((rudder_memory_size_fn)s->memory_size)(s->context, s->memory) != s->size)
-        return 0;
+        return STEP_DECODE;
     if (ptr == 0 || (uint64_t)ptr + 8 > s->size)
-        return 0;
+        return STEP_DECODE;
     uint32_t n_branches = load_u32(s->base + ptr), branches = load_u32(s->base + ptr + 4);
-    if (n_branches == 0) {
-        s->n_branches = 0;
-        s->status = 0;
+    if (n_branches == 0)
         return 0;
-    }
     if (n_branches != 1 || (uint64_t)branches + 16 > s->size || load_u32(s->base + branches + 8) != 0)
-        return 0;
-    uint32_t mask = load_u32(s->base + branches + 4);
+        return STEP_DECODE;
+    uint32_t back = load_u32(s->base + branches), mask = load_u32(s->base + branches + 4);
+    if (back >= MAX_PACKED_BACKTRACK)
+        return STEP_DECODE;
     if (mask) {
         if ((mask & 3) || (uint64_t)mask + 4 * (uint64_t)s->mask_words > s->size)
-            return 0;
+            return STEP_DECODE;
         const uint32_t *w = (const uint32_t *)(s->base + mask);
         if (s->tail_bits && (w[s->mask_words - 1] >> s->tail_bits))
-            return 0;
+            return STEP_DECODE;
         uint32_t i = 0;
         while (i < s->mask_words && w[i] == 0)
             i++;
         if (i == s->mask_words)
-            return 0;
+            return STEP_DECODE;
     }
-    s->n_branches = 1;
-    s->backtrack = load_u32(s->base + branches);
-    s->mask = mask;
-    s->status = 0;
-    return 0;
+    return 1 | (int64_t)mask << 1 | (int64_t)back << 33;
 }
