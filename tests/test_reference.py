@@ -90,7 +90,7 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
     out, past, feed = [], None, torch.tensor([ids])
     with torch.inference_mode():
         for _ in range(n):
-            step = hf_model(input_ids=feed, past_key_values=past, use_cache=True)
+            step = hf_model(input_ids=feed, cache=past, use_cache=True)
             past = step.past_key_values
             out.append(int(step.logits[0, -1].argmax()))
             feed = torch.tensor([[out[-1]]])
