@@ -68,11 +68,12 @@ class Controller:
             if n > self._in_cap:
                 self._reserve_input(n)
             st = self._step
+            if n > 1 or (n and st is None):  # (the native step writes a lone token itself)
+                p = self._in_ptr >> 2
+                inst.u32[p:p + n] = tokens
             if st is not None:
                 # One crossing: the token written, the guarded call, the common answer checked
                 # (native/deadline.c, rudder_step_call); anything else is read below.
-                if n > 1:
-                    inst.u32[self._in_ptr >> 2:(self._in_ptr >> 2) + n] = tokens
                 r = inst.step_call(st, branch_idx, backtrack, n, tokens[0] if n == 1 else 0)
                 if r > 0:  # one Branch: 1 | mask pointer << 1 | backtrack << 33
                     mask = (r >> 1) & 0xFFFFFFFF
@@ -83,12 +84,6 @@ class Controller:
                     raise inst.native_call_error(st.error, "rudder_mid_process", self._ms)
                 ptr = st.result  # STEP_DECODE: result.py reads it
             else:
-                if n:
-                    p = self._in_ptr >> 2
-                    if n == 1:
-                        inst.u32[p] = tokens[0]
-                    else:
-                        inst.u32[p:p + n] = tokens
                 slots = inst.vals_i32
                 slots[0] = branch_idx
                 slots[4] = backtrack

@@ -60,12 +60,12 @@ class ControllerCalls:
         futures = {}
         for key, *call in calls:
             future: Future = Future()
-            if hold and self.threads and not inline:
-                self._held.append((future, call))
-            elif self.threads and not inline:
-                self._queue.put((future, call))
-            else:
+            if inline or not self.threads:
                 future.set_result(run_call(*call))
+            elif hold:
+                self._held.append((future, call))
+            else:
+                self._queue.put((future, call))
             futures[key] = future
         return futures
 

@@ -50,9 +50,8 @@ def take_rows(t: torch.Tensor, rows: list[int], copy: bool = False) -> torch.Ten
     runs on torch's OpenMP threads, which then spin on the core the model's helper thread needs
     next (libgomp spins for milliseconds unless GOMP_SPINCOUNT was set before torch loaded): one
     such select per verification step made speculative steps ~1.4x slower (issue 18)."""
-    n = len(rows)
-    if n and rows[-1] - rows[0] == n - 1 and all(rows[i + 1] == rows[i] + 1 for i in range(n - 1)):
-        view = t[rows[0]:rows[0] + n]
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        view = t[rows[0]:rows[0] + len(rows)]
         if not copy:
             return view
         return torch.from_numpy(view.numpy().copy()) if t.device.type == "cpu" else view.clone()
