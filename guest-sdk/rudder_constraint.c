@@ -4,32 +4,53 @@
 #define MAX_FORCED 256u       /* forced bytes looked ahead per step (a longer run goes on next step) */
 #define LIST_MAX_TOKENS 16u   /* ff lists are offered when a mask allows at most this many tokens */
 #define LIST_BUDGET 64u       /* tokens in all the lists of one step, at most */
-#define CACHE_SLOTS 64u
-#define MAX_KEY 8192u         /* positions with longer keys are not cached */
 #define TEXT_SLOTS 64u        /* tokenizations of forced text kept (the same runs come back: `,"`) */
+/* The answer cache. Positions are many and masks few (JSONSchemaBench requests, median: 94
+ * positions, 28 distinct masks; at most 1088 and 86), so answers are found by key in a hash
+ * table and share their masks, each kept once. When a bound is reached the cache starts over. */
+#define TABLE_SLOTS 4096u     /* open addressing; a power of two */
+#define MAX_ENTRIES 2048u     /* the table at most half full */
+#define MASK_SLOTS 128u       /* distinct masks (preallocated: growing memory mid-step costs milliseconds) */
+#define MAX_KEY 8192u         /* positions with longer keys are not cached */
+#define ARENA_BYTES (1u << 20) /* keys; and (in 4-byte words) ff and list tokens */
+#define NO_MASK 0xffffffffu
 
-/* One cached answer: the info, its mask (preallocated: growing memory in the middle of a
- * step costs milliseconds), the ff tokens then the list tokens, and the lists. */
+/* One cached answer; its key, tokens and lists live in the arenas. */
 typedef struct {
-    bool used;
-    uint32_t hash, key_len, key_cap;
-    uint8_t *key;
-    rudder_cx_info info;
-    uint32_t *mask;
+    uint32_t hash, key_at, key_len;
+    uint32_t mask;                  /* pool slot, NO_MASK when the answer has none */
+    uint32_t toks_at, n_ff, n_tokens, n_lists, lists_at;
+    bool accepting;
+} entry;
+
+/* An answer being built: its tokens (ff, then the lists') and lists grow here. */
+typedef struct {
     uint32_t *toks, n_toks, cap_toks;
     uint32_t *lists, cap_lists;
-} entry;
+    rudder_cx_info info;
+} building;
 
 struct rudder_cx {
     rudder_engine e;
     uint32_t origin;                  /* the checkpoint the layer started at */
     uint32_t *cps, n_cps, cap_cps;    /* cps[k]: the checkpoint after k tokens (cps[0]: the start) */
     bool ff;
-    uint32_t ff_budget, eos;
-    entry *cache, scratch;            /* scratch: the answer when the position has no key */
-    uint32_t next_slot, hits, misses;
-    uint8_t *keybuf;
+    uint32_t ff_budget, eos, words;
+    /* the cache */
+    uint32_t *table;                  /* TABLE_SLOTS entry indices + 1 (0: empty) */
+    entry *entries;
+    uint32_t n_entries;
+    uint32_t *pool, *pool_hash, n_masks;   /* MASK_SLOTS masks */
+    uint8_t *keys;
+    uint32_t n_keys, cap_keys;
+    uint32_t *words_arena, n_words, cap_words;
+    rudder_cx_info info;              /* a cached answer, as rudder_cx_info_now returns it */
+    uint32_t hits, misses;
+    /* building an answer */
+    building b;
+    uint32_t *build_mask;             /* the mask being built (and a keyless position's) */
     uint32_t *walk_mask;              /* for walks whose tokens are only counted */
+    uint8_t *keybuf;
     char why[160];
     uint8_t run[MAX_FORCED];
     struct {
@@ -39,10 +60,9 @@ struct rudder_cx {
     uint32_t next_text;
 };
 
-static void entry_init(entry *e, uint32_t *mask) {
-    *e = (entry){.mask = mask};
-    e->toks = rudder_xalloc(64 * 4);
-    e->cap_toks = 64;
+static void cache_clear(rudder_cx *cx) {
+    memset(cx->table, 0, TABLE_SLOTS * 4);
+    cx->n_entries = cx->n_masks = cx->n_keys = cx->n_words = 0;
 }
 
 rudder_cx *rudder_cx_new(const rudder_engine *engine) {
@@ -54,13 +74,17 @@ rudder_cx *rudder_cx_new(const rudder_engine *engine) {
     cx->ff_budget = budget > 0 ? (uint32_t)budget : 0;
     cx->ff = cx->ff_budget > 0;
     cx->eos = rudder_eos_token();
-    uint32_t words = rudder_mask_words();
-    uint32_t *masks = rudder_xalloc((size_t)(CACHE_SLOTS + 2) * words * 4);
-    cx->cache = rudder_xalloc(CACHE_SLOTS * sizeof(entry));
-    for (uint32_t i = 0; i < CACHE_SLOTS; i++)
-        entry_init(&cx->cache[i], masks + (size_t)i * words);
-    entry_init(&cx->scratch, masks + (size_t)CACHE_SLOTS * words);
-    cx->walk_mask = masks + (size_t)(CACHE_SLOTS + 1) * words;
+    cx->words = rudder_mask_words();
+    cx->pool = rudder_xalloc((size_t)(MASK_SLOTS + 2) * cx->words * 4);
+    cx->build_mask = cx->pool + (size_t)MASK_SLOTS * cx->words;
+    cx->walk_mask = cx->build_mask + cx->words;
+    cx->pool_hash = rudder_xalloc(MASK_SLOTS * 4);
+    cx->table = rudder_xalloc(TABLE_SLOTS * 4);
+    cx->entries = rudder_xalloc(MAX_ENTRIES * sizeof(entry));
+    cx->keys = rudder_grow(NULL, &cx->cap_keys, 16384, 1);
+    cx->words_arena = rudder_grow(NULL, &cx->cap_words, 1024, 4);
+    cx->b.toks = rudder_grow(NULL, &cx->b.cap_toks, 64, 4);
+    cache_clear(cx);
     cx->keybuf = rudder_xalloc(MAX_KEY);
     cx->cap_cps = 64;
     cx->cps = rudder_xalloc(cx->cap_cps * 4);
@@ -76,8 +100,7 @@ const rudder_engine *rudder_cx_engine(const rudder_cx *cx) { return &cx->e; }
 
 void rudder_cx_disable_ff(rudder_cx *cx) {
     cx->ff = false;
-    for (uint32_t i = 0; i < CACHE_SLOTS; i++)   /* (answers made with it) */
-        cx->cache[i].used = false;
+    cache_clear(cx);   /* (answers made with it) */
 }
 
 uint32_t rudder_cx_count(const rudder_cx *cx) { return cx->n_cps - 1; }
@@ -97,8 +120,8 @@ bool rudder_cx_begin(rudder_cx *cx, const uint8_t *prefix, uint32_t n) {
 }
 
 void rudder_cx_rewind(rudder_cx *cx, uint32_t kept) {
-    if (kept > cx->n_cps - 1)
-        kept = cx->n_cps - 1;
+    if (kept >= cx->n_cps - 1)
+        return;   /* already there: the engine is at the last checkpoint between calls */
     cx->e.restore(cx->e.self, cx->cps[kept]);
     cx->n_cps = kept + 1;
 }
@@ -167,11 +190,12 @@ static const uint32_t *tokens_of(rudder_cx *cx, const uint8_t *text, uint32_t n,
     return toks;
 }
 
-/* The forced bytes from here as tokens, appended to e->toks: whole characters, tokenized
- * canonically (none if the tokenizer cannot write them exactly), the last one held back when
- * a longer token starting with it could follow. Returns how many. */
-static uint32_t forced_tokens(rudder_cx *cx, entry *en) {
+/* The forced bytes from here as tokens, appended to the answer being built: whole characters,
+ * tokenized canonically (none if the tokenizer cannot write them exactly), the last one held
+ * back when a longer token starting with it could follow. Returns how many. */
+static uint32_t forced_tokens(rudder_cx *cx) {
     const rudder_engine *e = &cx->e;
+    building *bd = &cx->b;
     uint32_t n = e->forced(e->self, cx->run, MAX_FORCED), nt;
     while (n && !rudder_utf8_valid(cx->run, n))   /* ends inside a character: cut it */
         n--;
@@ -187,68 +211,141 @@ static uint32_t forced_tokens(rudder_cx *cx, entry *en) {
     if (e->push(e->self, cx->run, n) && extends(cx, rudder_trie_node(cx->run + n - last_len, last_len)))
         nt--;
     e->restore(e->self, cp);
-    en->toks = rudder_grow(en->toks, &en->cap_toks, en->n_toks + nt + 1, 4);
-    memcpy(en->toks + en->n_toks, toks, nt * 4);
-    en->n_toks += nt;
+    bd->toks = rudder_grow(bd->toks, &bd->cap_toks, bd->n_toks + nt + 1, 4);
+    memcpy(bd->toks + bd->n_toks, toks, nt * 4);
+    bd->n_toks += nt;
     return nt;
 }
 
-/* For each allowed token after which bytes are forced: the list [token, forced tokens...]. */
-static void add_lists(rudder_cx *cx, entry *en) {
+/* For each allowed token of `mask` after which bytes are forced: the list [token, forced
+ * tokens...]. (List starts are indices into the answer's tokens.) */
+static void add_lists(rudder_cx *cx, const uint32_t *mask) {
     const rudder_engine *e = &cx->e;
-    rudder_cx_info *in = &en->info;
-    uint32_t budget = cx->ff_budget < LIST_BUDGET ? cx->ff_budget : LIST_BUDGET, words = rudder_mask_words();
-    for (uint32_t w = 0; w < words; w++)
-        for (uint32_t bits = en->mask[w]; bits; bits &= bits - 1) {
+    building *bd = &cx->b;
+    rudder_cx_info *in = &bd->info;
+    uint32_t budget = cx->ff_budget < LIST_BUDGET ? cx->ff_budget : LIST_BUDGET;
+    for (uint32_t w = 0; w < cx->words; w++)
+        for (uint32_t bits = mask[w]; bits; bits &= bits - 1) {
             uint32_t t = w * 32 + (uint32_t)__builtin_ctz(bits), len;
             const uint8_t *b = rudder_token_bytes(t, &len);
-            uint32_t start = en->n_toks, cp = e->save(e->self);
-            en->toks = rudder_grow(en->toks, &en->cap_toks, start + 1, 4);
-            en->toks[en->n_toks++] = t;
-            uint32_t k = e->push(e->self, b, len) ? forced_tokens(cx, en) : 0;
+            uint32_t start = bd->n_toks, cp = e->save(e->self);
+            bd->toks = rudder_grow(bd->toks, &bd->cap_toks, start + 1, 4);
+            bd->toks[bd->n_toks++] = t;
+            uint32_t k = e->push(e->self, b, len) ? forced_tokens(cx) : 0;
             e->restore(e->self, cp);
             if (!k || k + 1 > budget) {
-                en->n_toks = start;
+                bd->n_toks = start;
                 continue;
             }
             budget -= k + 1;
-            en->lists = rudder_grow(en->lists, &en->cap_lists, 2 * in->n_lists + 2, 4);
-            en->lists[2 * in->n_lists] = start;
-            en->lists[2 * in->n_lists + 1] = k + 1;
+            bd->lists = rudder_grow(bd->lists, &bd->cap_lists, 2 * in->n_lists + 2, 4);
+            bd->lists[2 * in->n_lists] = start;
+            bd->lists[2 * in->n_lists + 1] = k + 1;
             in->n_lists++;
         }
-    in->lists = en->lists;
-    in->list_tokens = en->toks;
 }
 
-static void build(rudder_cx *cx, entry *en) {
+/* The answer at the current position, into cx->b (its mask into cx->build_mask). */
+static void build(rudder_cx *cx) {
     const rudder_engine *e = &cx->e;
-    rudder_cx_info *in = &en->info;
+    building *bd = &cx->b;
+    rudder_cx_info *in = &bd->info;
     *in = (rudder_cx_info){0};
-    en->n_toks = 0;
+    bd->n_toks = 0;
     in->accepting = e->accepting(e->self);
     if (cx->ff) {
-        uint32_t k = forced_tokens(cx, en);
+        uint32_t k = forced_tokens(cx);
         if (k) {
-            in->ff = en->toks;
+            in->ff = bd->toks;
             in->n_ff = k < cx->ff_budget ? k : cx->ff_budget;   /* the rest comes next step */
             return;
         }
     }
-    rudder_mask_clear_all(en->mask);
-    in->n_tokens = e->walk(e->self, en->mask, 1, rudder_trie_get()->n_nodes);
-    in->mask = en->mask;
-    if (in->n_tokens && cx->ff && in->n_tokens <= LIST_MAX_TOKENS)
-        add_lists(cx, en);
-    if (in->accepting && in->n_tokens && cx->eos != RUDDER_NO_TOKEN)
-        rudder_mask_set(en->mask, cx->eos);
+    rudder_mask_clear_all(cx->build_mask);
+    in->n_tokens = e->walk(e->self, cx->build_mask, 1, rudder_trie_get()->n_nodes);
+    if (!in->n_tokens)
+        return;
+    in->mask = cx->build_mask;
+    if (cx->ff && in->n_tokens <= LIST_MAX_TOKENS)
+        add_lists(cx, cx->build_mask);
+    in->lists = bd->lists;
+    in->list_tokens = bd->toks;
+    if (in->accepting && cx->eos != RUDDER_NO_TOKEN)
+        rudder_mask_set(cx->build_mask, cx->eos);
 }
 
+/* 32-bit hash of n bytes, 8 at a time (keys run to hundreds of bytes, masks to kilobytes). */
 static uint32_t hash_bytes(const uint8_t *p, uint32_t n) {
-    uint32_t h = 2166136261u;
-    for (uint32_t i = 0; i < n; i++)
-        h = (h ^ p[i]) * 16777619u;
-    return h;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ n, w;
+    for (; n >= 8; p += 8, n -= 8) {
+        memcpy(&w, p, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+    }
+    if (n) {
+        w = 0;
+        memcpy(&w, p, n);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+    }
+    h ^= h >> 29;
+    return (uint32_t)h;
+}
+
+/* A mask's fingerprint: four independent sums (a hash's multiply chain over kilobytes costs
+ * microseconds); equal masks are then compared whole. */
+static uint32_t fingerprint(const uint32_t *mask, uint32_t words) {
+    uint32_t a = 0, b = 0, c = 0, d = 0, i = 0;
+    for (; i + 4 <= words; i += 4) {
+        a += mask[i];
+        b ^= mask[i + 1];
+        c += mask[i + 2] ^ i;
+        d ^= mask[i + 3] + i;
+    }
+    for (; i < words; i++)
+        a ^= mask[i] * 0x9e3779b1u;
+    return a ^ (b * 0x85ebca6bu) ^ ((c << 13 | c >> 19) * 0xc2b2ae35u) ^ (d * 0x27d4eb2fu);
+}
+
+/* The pool slot of the built mask: an equal mask's, or a new one (there is room). */
+static uint32_t pool_slot(rudder_cx *cx) {
+    size_t bytes = (size_t)cx->words * 4;
+    uint32_t h = fingerprint(cx->build_mask, cx->words);
+    for (uint32_t i = 0; i < cx->n_masks; i++)
+        if (cx->pool_hash[i] == h && !memcmp(cx->pool + (size_t)i * cx->words, cx->build_mask, bytes))
+            return i;
+    memcpy(cx->pool + (size_t)cx->n_masks * cx->words, cx->build_mask, bytes);
+    cx->pool_hash[cx->n_masks] = h;
+    return cx->n_masks++;
+}
+
+/* Keep the built answer under the key in keybuf (table slot `slot`, empty). */
+static void remember(rudder_cx *cx, uint32_t slot, uint32_t h, uint32_t len) {
+    const building *bd = &cx->b;
+    const rudder_cx_info *in = &bd->info;
+    uint32_t n_words = bd->n_toks + 2 * in->n_lists;
+    entry *en = &cx->entries[cx->n_entries];
+    *en = (entry){.hash = h, .key_at = cx->n_keys, .key_len = len, .mask = in->mask ? pool_slot(cx) : NO_MASK,
+                  .toks_at = cx->n_words, .n_ff = in->n_ff, .n_tokens = in->n_tokens, .n_lists = in->n_lists,
+                  .lists_at = cx->n_words + bd->n_toks, .accepting = in->accepting};
+    cx->keys = rudder_grow(cx->keys, &cx->cap_keys, cx->n_keys + len, 1);
+    memcpy(cx->keys + cx->n_keys, cx->keybuf, len);
+    cx->n_keys += len;
+    cx->words_arena = rudder_grow(cx->words_arena, &cx->cap_words, cx->n_words + n_words, 4);
+    memcpy(cx->words_arena + en->toks_at, bd->toks, bd->n_toks * 4);
+    if (in->n_lists)
+        memcpy(cx->words_arena + en->lists_at, bd->lists, 2 * in->n_lists * 4);
+    cx->n_words += n_words;
+    cx->table[slot] = ++cx->n_entries;
+}
+
+/* The answer of a cached entry, as rudder_cx_info_now gives it. */
+static const rudder_cx_info *info_of(rudder_cx *cx, const entry *en) {
+    const uint32_t *toks = cx->words_arena + en->toks_at;
+    cx->info = (rudder_cx_info){.accepting = en->accepting, .ff = toks, .n_ff = en->n_ff,
+                                .mask = en->mask == NO_MASK ? NULL : cx->pool + (size_t)en->mask * cx->words,
+                                .n_tokens = en->n_tokens, .n_lists = en->n_lists,
+                                .lists = cx->words_arena + en->lists_at, .list_tokens = toks};
+    return &cx->info;
 }
 
 const rudder_cx_info *rudder_cx_info_now(rudder_cx *cx) {
@@ -256,31 +353,26 @@ const rudder_cx_info *rudder_cx_info_now(rudder_cx *cx) {
     uint32_t len = e->key(e->self, cx->keybuf, MAX_KEY);
     if (len == 0 || len > MAX_KEY) {
         cx->misses++;
-        build(cx, &cx->scratch);
-        return &cx->scratch.info;
+        build(cx);
+        return &cx->b.info;
     }
-    uint32_t h = hash_bytes(cx->keybuf, len);
-    for (uint32_t i = 0; i < CACHE_SLOTS; i++) {
-        entry *en = &cx->cache[i];
-        if (en->used && en->hash == h && en->key_len == len && memcmp(en->key, cx->keybuf, len) == 0) {
+    uint32_t h = hash_bytes(cx->keybuf, len), slot = h & (TABLE_SLOTS - 1);
+    for (uint32_t i; (i = cx->table[slot]) != 0; slot = (slot + 1) & (TABLE_SLOTS - 1)) {
+        const entry *en = &cx->entries[i - 1];
+        if (en->hash == h && en->key_len == len && !memcmp(cx->keys + en->key_at, cx->keybuf, len)) {
             cx->hits++;
-            return &en->info;
+            return info_of(cx, en);
         }
     }
     cx->misses++;
-    entry *en = &cx->cache[cx->next_slot];
-    cx->next_slot = (cx->next_slot + 1) % CACHE_SLOTS;
-    if (len > en->key_cap) {
-        rudder_free(en->key);
-        en->key_cap = len;
-        en->key = rudder_xalloc(len);
+    if (cx->n_entries == MAX_ENTRIES || cx->n_masks == MASK_SLOTS || cx->n_keys + len > ARENA_BYTES ||
+        cx->n_words > ARENA_BYTES / 4) {
+        cache_clear(cx);   /* full: start over */
+        slot = h & (TABLE_SLOTS - 1);
     }
-    en->used = true;
-    en->hash = h;
-    en->key_len = len;
-    memcpy(en->key, cx->keybuf, len);
-    build(cx, en);
-    return &en->info;
+    build(cx);
+    remember(cx, slot, h, len);
+    return info_of(cx, &cx->entries[cx->n_entries - 1]);
 }
 
 /* "<name>: <middle> <what>", for a failure message. */

@@ -587,7 +587,7 @@ from rudder.tokenizer import Tokenizer
 from controller_wat import controller_wat, wasm_of
 
 LOOP = "(loop $l (br $l)) (i32.const 0)"
-out = {"library": native.library() is None, "reason": native.unavailable_reason}
+out = {"library": native.library() is None, "reason": native.unavailable_reason, "binding": native.binding}
 rt = ControllerRuntime(Tokenizer.byte_level(512), Limits(init_ms=200), cache_dir=False)
 out["ticker"] = type(rt._ticker).__name__
 for hook, wat in [("rudder_init", controller_wat(init=LOOP)), ("rudder_start", controller_wat(start=LOOP))]:
@@ -617,31 +617,39 @@ print(json.dumps(out))
 '''
 
 
-def test_without_the_native_library_deadlines_still_fire():
+@pytest.mark.parametrize("switch", ["RUDDER_NO_NATIVE", "RUDDER_NATIVE_ABI"])
+def test_without_the_native_library_deadlines_still_fire(switch):
     """RUDDER_NO_NATIVE=1 (as when zig cannot build rudder.native): the pure-Python epoch ticker
     interrupts runaway init, start and step code (a dropped runtime's too), and the numpy mask
-    path samples exactly what the native kernel does."""
+    path samples exactly what the native kernel does. RUDDER_NATIVE_ABI=1 (as without Python's
+    headers): the same library through cffi's ABI mode does the same with the native ticker."""
     import json
     import os
     import subprocess
     import sys
+    import sysconfig
     from pathlib import Path
 
-    from rudder import LLM, SamplingParams
+    from rudder import LLM, SamplingParams, native
 
     tests = str(Path(__file__).parent)
-    env = {**os.environ, "RUDDER_NO_NATIVE": "1",
+    env = {**os.environ, switch: "1",
            "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", NO_NATIVE_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["library"] and "RUDDER_NO_NATIVE" in out["reason"] and out["ticker"] == "_Ticker"
+    if switch == "RUDDER_NO_NATIVE":
+        assert out["library"] and "RUDDER_NO_NATIVE" in out["reason"] and out["ticker"] == "_Ticker"
+    else:
+        assert not out["library"] and out["binding"] == "abi" and out["ticker"] == "_NativeTicker"
     for hook, ms in (("rudder_init", 200), ("rudder_start", 200), ("rudder_mid_process", 25), ("orphaned", 25)):
         kind, message = out[hook][:2]
         assert kind == "timeout" and f"deadline of {ms} ms" in message, (hook, message)
     assert 0.025 <= out["rudder_mid_process"][2] < HANG_MARGIN_S
     llm = LLM("tiny", dtype="fp32")   # here, with the native mask kernel; the same precision
+    if (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        assert native.binding == "api"   # (here: the extension module)
     outs = llm.generate(["x"] * 3, [SamplingParams(max_tokens=24, seed=s, temperature=1.0) for s in range(3)],
                         controller="regex", controller_arg="[a-z]{3,8}( [a-z]{3,8})*")
     assert out["texts"] == [o.text for o in outs]

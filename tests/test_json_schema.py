@@ -514,6 +514,44 @@ def test_rejected_token_fails_the_request(any_rt, any_module, any_tok):
     assert "does not continue valid JSON" in f"{info.value}\n{getattr(info.value, 'log_tail', '')}"
 
 
+def _masks_of_walk(ctl, tok, ids: list[int], first: bool) -> list[bytes]:
+    """The mask before each token of `ids`, back at the start first; the walk must end there."""
+    branches = ctl.mid_process(0, 0, [tok.bos_token_id]) if first else ctl.mid_process(0, len(ids), [])
+    masks = []
+    for t in ids:
+        [b] = branches
+        masks.append(b.mask.tobytes())
+        assert allowed(b.mask, t)
+        branches = ctl.mid_process(0, 0, [t])
+    assert branches == []   # complete: nothing can follow
+    return masks
+
+
+@pytest.mark.model
+def test_cached_answers_equal_computed_ones_past_the_cache_bounds(rt, module, tok):
+    # The token layer keeps answers by position and each distinct mask once, up to bounds
+    # (guest-sdk/rudder_constraint.c: 2048 positions, 128 masks), then starts over. This walk
+    # meets more of both: 200 keys of their own (one mask each, no ff) and a 2100-item bounded
+    # array (a position per item). Walked again in the same request, every step is served from
+    # the cache or computed after it started over; each must be the first walk's mask.
+    r = random.Random(5)
+    keys = ["".join(r.choice(string.ascii_lowercase) for _ in range(r.randint(4, 9))) for _ in range(200)]
+    keys = list(dict.fromkeys(keys))
+    schema = {"type": "object", "x-rudder-ff": False, "required": [*keys, "list"], "additionalProperties": False,
+              "properties": {**{k: {"type": "integer"} for k in keys},
+                             "list": {"type": "array", "maxItems": 5000, "items": {"type": "integer"}}}}
+    doc = {**{k: i for i, k in enumerate(keys)}, "list": [r.randint(0, 9) for _ in range(2100)]}
+    ids = tok.encode(compact(doc))
+    ctl = rt.start(module, json.dumps(schema))
+    try:
+        first = _masks_of_walk(ctl, tok, ids, first=True)
+        assert len(set(first)) > 128   # (the walk does go past the mask bound)
+        again = _masks_of_walk(ctl, tok, ids, first=False)
+        assert again == first
+    finally:
+        ctl.close()
+
+
 # ---------------------------------------------------------------------------- (b) sampled outputs
 
 

@@ -15,7 +15,7 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-@dataclass
+@dataclass(slots=True)  # (one per sequence and step: slots make it cheaper to build)
 class Branch:
     """Remove `backtrack` tokens; then sample under `mask` (None = unconstrained) extended by a
     matching `ff` list, or - with no mask and exactly one ff list - append that list.

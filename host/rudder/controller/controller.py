@@ -77,7 +77,10 @@ class Controller:
                 r = inst.step_call(st, branch_idx, backtrack, n, tokens[0] if n == 1 else 0)
                 if r > 0:  # one Branch: 1 | mask pointer << 1 | backtrack << 33
                     mask = (r >> 1) & 0xFFFFFFFF
-                    return [Branch(r >> 33, inst.mask_view(mask, self._mask_words) if mask else None)]
+                    if mask:
+                        view = inst.views.get(mask)  # (mask_view, its common case inlined)
+                        return [Branch(r >> 33, view if view is not None else inst.mask_view(mask, self._mask_words))]
+                    return [Branch(r >> 33)]
                 if r == 0:
                     return []
                 if r == STEP_FAILED:

@@ -191,7 +191,7 @@ class Instance:
             step.memory = native.pointer(self.memory)
             step.memory_size = native.pointer(lib.wasmtime_memory_data_size)
             self.step_call = native.lib.rudder_step_call
-        self._views: dict[int, np.ndarray] = {}  # mask views by pointer, until memory is remapped
+        self.views: dict[int, np.ndarray] = {}  # mask views by pointer, until memory is remapped
         self.size = -1
         self.remap()
 
@@ -218,7 +218,7 @@ class Instance:
         self.u8 = np.frombuffer(buf, dtype=np.uint8)
         self.u32 = np.frombuffer(buf, dtype=np.uint32)  # sizes are whole 64 KiB pages
         self.size = size
-        self._views = {}
+        self.views = {}
         if self.step is not None:
             self.step.base = self._native_ffi.cast("uint8_t *", base)
             self.step.size = size
@@ -227,11 +227,11 @@ class Instance:
     def mask_view(self, ptr: int, words: int) -> np.ndarray:
         """The zero-copy view of `words` mask words at `ptr` (4-byte aligned, checked inside memory
         by the caller); a guest mostly answers with the same buffer, so views are kept by address."""
-        view = self._views.get(ptr)
+        view = self.views.get(ptr)
         if view is None:  # (one controller, one vocabulary: always `words` long)
-            if len(self._views) >= 64:
-                self._views.clear()
-            view = self._views[ptr] = self.u32[ptr >> 2:(ptr >> 2) + words]
+            if len(self.views) >= 256:  # (the token layer keeps up to 128 masks)
+                self.views.clear()
+            view = self.views[ptr] = self.u32[ptr >> 2:(ptr >> 2) + words]
         return view
 
     def check_growth(self) -> bool:
