@@ -199,7 +199,9 @@ def test_upload_and_tag_survive_sigkill(tmp_path):
         with httpx.Client(base_url=server.url, headers=auth("admin"), timeout=60) as c:
             tags = {t["tag"]: t for t in c.get("/v1/controllers/tags").json()["tags"]}
             assert tags["kept"]["module_id"] == mid and tags["kept"]["owner"] == "default"
-            r = c.post("/v1/run", json={"controller": "kept", "prompt": "x", "max_tokens": 4, "stream": False})
+            # (ignore_eos: the tiny random model samples EOS now and then, which ended a run early)
+            r = c.post("/v1/run", json={"controller": "kept", "prompt": "x", "max_tokens": 4, "stream": False,
+                                        "ignore_eos": True})
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
