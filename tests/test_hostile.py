@@ -587,7 +587,8 @@ from rudder.tokenizer import Tokenizer
 from controller_wat import controller_wat, wasm_of
 
 LOOP = "(loop $l (br $l)) (i32.const 0)"
-out = {"library": native.library() is None, "reason": native.unavailable_reason, "binding": native.binding}
+out = {"library": native.library() is None, "reason": native.unavailable_reason, "binding": native.binding,
+       "abi_reason": native.abi_reason}
 rt = ControllerRuntime(Tokenizer.byte_level(512), Limits(init_ms=200), cache_dir=False)
 out["ticker"] = type(rt._ticker).__name__
 for hook, wat in [("rudder_init", controller_wat(init=LOOP)), ("rudder_start", controller_wat(start=LOOP))]:
@@ -643,6 +644,7 @@ def test_without_the_native_library_deadlines_still_fire(switch):
         assert out["library"] and "RUDDER_NO_NATIVE" in out["reason"] and out["ticker"] == "_Ticker"
     else:
         assert not out["library"] and out["binding"] == "abi" and out["ticker"] == "_NativeTicker"
+        assert "RUDDER_NATIVE_ABI" in out["abi_reason"]
     for hook, ms in (("rudder_init", 200), ("rudder_start", 200), ("rudder_mid_process", 25), ("orphaned", 25)):
         kind, message = out[hook][:2]
         assert kind == "timeout" and f"deadline of {ms} ms" in message, (hook, message)

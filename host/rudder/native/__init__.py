@@ -90,6 +90,7 @@ ffi.cdef(_CDEF)
 ffi.cdef(_CDEF_MODEL)
 unavailable_reason: str | None = None
 binding: str | None = None  # once library() ran: "api" (an extension module) or "abi" (dlopen)
+abi_reason: str | None = None  # why the extension module was not used, when binding is "abi"
 
 
 def _cpu_fingerprint() -> str:
@@ -173,17 +174,18 @@ def _load_module(path: Path):
 def library():
     """The native library (built on first use), or None. `ffi` is then the library's own: make
     cdata for it with `native.ffi` after this call."""
-    global unavailable_reason, ffi, binding
+    global unavailable_reason, ffi, binding, abi_reason
     if os.environ.get("RUDDER_NO_NATIVE"):
         unavailable_reason = "disabled by RUDDER_NO_NATIVE"
         return None
+    abi_reason = "RUDDER_NATIVE_ABI is set"
     if not os.environ.get("RUDDER_NATIVE_ABI"):
         try:
             module = _load_module(_build_module())
-            ffi, binding = module.ffi, "api"
+            ffi, binding, abi_reason = module.ffi, "api", None
             return module.lib
-        except Exception:  # noqa: BLE001 - no headers, an odd platform: the ABI-mode library instead
-            pass
+        except Exception as e:  # noqa: BLE001 - no headers, an odd platform: the ABI-mode library instead
+            abi_reason = f"extension module unavailable: {e}"
     try:
         lib, binding = ffi.dlopen(str(_build())), "abi"
         return lib
