@@ -106,7 +106,7 @@ def test_native_layers_compute_f_linear_of_their_weights(kind, n, k):
     ref = F.linear(x.float(), layer.weight)
     # bf16: fp32 sums of exact products; int8: x is taken at 16 bits against each row's largest value
     assert (full - ref).norm() / ref.norm() < (1e-6 if kind is Bf16Linear else 1e-4)
-    for rows in (1, 5, 16, 17):  # a row's result is the same whatever else the call holds
+    for rows in (1, 2, 3, 5, 16, 17):  # a row's result is the same whatever else the call holds
         assert torch.equal(layer(x[:rows]), full[:rows])
     assert torch.equal(copy.deepcopy(layer)(x), full)
 

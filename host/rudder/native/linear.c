@@ -26,7 +26,12 @@
  *   and y = (256 * (hi - 128 * sum(w)) + lo) * row scale * column scale. The weights stay int8
  *   (half of bf16's bytes) and the activations keep ~15 bits against the row's largest value.
  *
- * Work is split over groups of 4 column blocks on torch's OpenMP threads (parallel.c).
+ * Work is split over groups of column blocks on torch's OpenMP threads (parallel.c): 4 blocks,
+ * or 8 for 1 to WIDE_ROWS rows of bf16 without AMX. At a few rows a step takes the time of reading
+ * the weights, and eight streams in flight read them faster than four on the development host
+ * (SmolLM2's linears at one row, interleaved runs: 4-20 % less time; decode.py batch 1 ~5 %
+ * faster). From 4 rows the arithmetic per byte grows, and items of four blocks in passes of MR
+ * rows measured faster (wider passes, 8 x 3 rows or 12 x 2, ran 10-30 % slower there).
  *
  * Epilogues (`op`): 0 none; 1 out += y (the residual stream, in place); 2 SwiGLU: the weight
  * holds the gate columns then the up columns (each padded to whole blocks) and out[:, j] =
@@ -49,6 +54,8 @@
 
 #define MR 6    /* input rows per block (vector path; int8 takes 3: two accumulators each) */
 #define GROUP 4 /* column blocks per work item */
+#define WIDE_GROUP 8 /* ... for up to WIDE_ROWS rows on the bf16 vector path */
+#define WIDE_ROWS 3
 #define AMX_MIN_ROWS_I8 8 /* int8: AMX tiles from this many rows (the same integers either way) */
 
 enum { OP_NONE = 0, OP_ADD = 1, OP_SWIGLU = 2 };
@@ -88,6 +95,7 @@ typedef struct {
     void *out;           /* [m, n] */
     int out_bf16, op, int8, amx;
     int64_t mpad;        /* AMX: rows padded to whole tiles */
+    int group;           /* column blocks per work item: GROUP or WIDE_GROUP (run) */
 } lin;
 
 static inline float hmax16_f(v16f v) {
@@ -145,7 +153,8 @@ static void finish(const lin *L, int64_t i, int64_t blk, const acc16 *a, int64_t
 
 /* ---- vector path: rows broadcast against 16-column vectors ------------------------------------ */
 
-static void dot_bf16(const lin *L, const int64_t *blocks, int64_t m0, int mr, int ng, acc16 acc[MR][GROUP]) {
+static void dot_bf16(const lin *L, const int64_t *blocks, int64_t m0, int mr, int ng, acc16 acc[][WIDE_GROUP],
+                     int g0) {
     const uint16_t *x = L->x, *w = (const uint16_t *)L->w;
     int64_t k = L->k, pairs = k / 2, per_block = 16 * k;
 #ifdef __AVX512BF16__
@@ -158,6 +167,7 @@ static void dot_bf16(const lin *L, const int64_t *blocks, int64_t m0, int mr, in
             __m512bh wv[G];                                                                        \
             for (int g = 0; g < G; g++)                                                            \
                 wv[g] = (__m512bh)_mm512_loadu_si512(w + blocks[g] * per_block + p * 32);          \
+            _Pragma("clang loop unroll(full)") /* (not by default for the wide shapes) */          \
             for (int r = 0; r < R; r++) {                                                          \
                 int32_t xp;                                                                        \
                 memcpy(&xp, x + (m0 + r) * k + 2 * p, 4);                                          \
@@ -166,9 +176,10 @@ static void dot_bf16(const lin *L, const int64_t *blocks, int64_t m0, int mr, in
             }                                                                                      \
         }                                                                                          \
         for (int r = 0; r < R; r++)                                                                \
-            for (int g = 0; g < G; g++) memcpy(&acc[r][g].f, &a[r][g], 64);                        \
+            for (int g = 0; g < G; g++) memcpy(&acc[r][g0 + g].f, &a[r][g], 64);                   \
         return;                                                                                    \
     }
+    BF16_KERNEL(3, 8) BF16_KERNEL(2, 8) BF16_KERNEL(1, 8)
     BF16_KERNEL(6, 4) BF16_KERNEL(5, 4) BF16_KERNEL(4, 4) BF16_KERNEL(3, 4) BF16_KERNEL(2, 4) BF16_KERNEL(1, 4)
     BF16_KERNEL(6, 2) BF16_KERNEL(5, 2) BF16_KERNEL(4, 2) BF16_KERNEL(3, 2) BF16_KERNEL(2, 2) BF16_KERNEL(1, 2)
     BF16_KERNEL(6, 1) BF16_KERNEL(5, 1) BF16_KERNEL(4, 1) BF16_KERNEL(3, 1) BF16_KERNEL(2, 1) BF16_KERNEL(1, 1)
@@ -188,11 +199,11 @@ static void dot_bf16(const lin *L, const int64_t *blocks, int64_t m0, int mr, in
                     s[c] = s[c] + x0 * load1(wb, 1, p * 32 + 2 * c);
                 }
             }
-            memcpy(&acc[r][g].f, s, 64);
+            memcpy(&acc[r][g0 + g].f, s, 64);
         }
 }
 
-static void dot_i8(const lin *L, const int64_t *blocks, int64_t m0, int mr, int ng, acc16 acc[MR][GROUP]) {
+static void dot_i8(const lin *L, const int64_t *blocks, int64_t m0, int mr, int ng, acc16 acc[][WIDE_GROUP]) {
     const int8_t *w = (const int8_t *)L->w;
     int64_t k = L->k, quads = k / 4, per_block = 16 * k;
 #ifdef __AVX512VNNI__
@@ -247,12 +258,16 @@ static void vector_item(const lin *L, const int64_t *blocks, int ng, int passes)
     int rows_per = L->int8 ? 3 : MR;
     for (int64_t m0 = 0; m0 < L->m; m0 += rows_per) {
         int mr = L->m - m0 < rows_per ? (int)(L->m - m0) : rows_per;
-        acc16 acc[2][MR][GROUP]; /* [pass: gate or plain, up][row][block] */
+        acc16 acc[2][MR][WIDE_GROUP]; /* [pass: gate or plain, up][row][block] */
         for (int h = 0; h < passes; h++) {
             if (L->int8)
                 dot_i8(L, blocks + h * ng, m0, mr, ng, acc[h]);
-            else
-                dot_bf16(L, blocks + h * ng, m0, mr, ng, acc[h]);
+            else if (ng <= GROUP || (mr <= WIDE_ROWS && ng == WIDE_GROUP))
+                dot_bf16(L, blocks + h * ng, m0, mr, ng, acc[h], 0);
+            else { /* a wide item's tail (5-7 blocks): four, then the rest */
+                dot_bf16(L, blocks + h * ng, m0, mr, GROUP, acc[h], 0);
+                dot_bf16(L, blocks + h * ng + GROUP, m0, mr, ng - GROUP, acc[h], GROUP);
+            }
         }
         for (int r = 0; r < mr; r++)
             for (int g = 0; g < ng; g++)
@@ -380,10 +395,10 @@ static void amx_item(const lin *L, const int64_t *blocks, int ng, int passes) {
 
 static void run_item(void *p, int64_t item) {
     const lin *L = (const lin *)p;
-    int64_t nblocks = (L->n + 15) / 16, first = item * GROUP;
-    int ng = nblocks - first < GROUP ? (int)(nblocks - first) : GROUP;
+    int64_t nblocks = (L->n + 15) / 16, first = item * L->group;
+    int ng = nblocks - first < L->group ? (int)(nblocks - first) : L->group;
     int passes = L->op == OP_SWIGLU ? 2 : 1;
-    int64_t blocks[2 * GROUP]; /* the item's blocks; with SwiGLU, then their up partners */
+    int64_t blocks[2 * WIDE_GROUP]; /* the item's blocks; with SwiGLU, then their up partners */
     for (int g = 0; g < ng; g++) {
         blocks[g] = first + g;
         blocks[ng + g] = nblocks + first + g;
@@ -398,7 +413,8 @@ static void run_item(void *p, int64_t item) {
 }
 
 static void run(lin *L, int threads) {
-    int64_t items = ((L->n + 15) / 16 + GROUP - 1) / GROUP;
+    L->group = !L->int8 && !L->amx && L->m <= WIDE_ROWS ? WIDE_GROUP : GROUP;
+    int64_t items = ((L->n + 15) / 16 + L->group - 1) / L->group;
     rudder_parallel_for(run_item, L, items, threads);
 }
 
