@@ -12,7 +12,9 @@ For each task and repetition, plain and each speculative mode run back to back (
 rotates per repetition), so machine noise hits them alike; tokens/s is output tokens over the
 request's wall time (prefill included), speedup is plain's time over the mode's (median of the
 per-repetition ratios; `range`: their smallest and largest), `cpu x` the same ratio of the
-process's CPU time (steadier than wall time on a machine shared with other jobs). The target
+process's CPU time (steadier than wall time on a machine shared with other jobs), `decode x` the
+ratio after taking off each repetition's time to the first token (the same request with
+max_tokens=1: prefill, which speculation cannot shorten, and the first step). The target
 runs in --dtype (default auto: bf16 where the CPU has native bf16); the draft model
 (--draft-model int8) is the target quantised. Greedy output must be identical to plain: the `same` column checks it.
 `--draft-speed` adds the draft candidates' decode time per token next to the target's.
@@ -78,7 +80,8 @@ def run_once(llm, prompt, mode, tokens, k, controller, arg):
 
 
 def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
-    rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": [], "cpu_ratio": [], "errors": []}
+    rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": [], "cpu_ratio": [],
+                "decode_ratio": [], "errors": []}
             for m in [None, *modes]}
     order = [None, *modes]
     run_once(llm, prompt, None, 8, k, controller, arg)  # warm-up (controller build, caches)
@@ -87,6 +90,7 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
     for rep in range(reps):
         rot = order[rep % len(order):] + order[: rep % len(order)]
         outs = {}
+        first, _, _ = run_once(llm, prompt, None, 1, k, controller, arg)  # prefill + the first token
         for m in rot:
             seconds, cpu, out = run_once(llm, prompt, m, tokens, k, controller, arg)
             outs[m] = (seconds, out, cpu)
@@ -101,6 +105,7 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
             rows[m]["same"] &= outs[m][1].token_ids == outs[None][1].token_ids
             rows[m]["ratio"].append(outs[None][0] / outs[m][0])
             rows[m]["cpu_ratio"].append(outs[None][2] / outs[m][2])
+            rows[m]["decode_ratio"].append((outs[None][0] - first) / max(outs[m][0] - first, 1e-9))
         if rep == 0:
             print(f"  [{name}] {outs[None][1].text[:160]!r}", flush=True)
     table = []
@@ -114,6 +119,7 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
             "speedup": float(np.median(r["ratio"])) if r["ratio"] else 1.0,
             "speedup_range": [float(min(r["ratio"])), float(max(r["ratio"]))] if r["ratio"] else [1.0, 1.0],
             "cpu_speedup": float(np.median(r["cpu_ratio"])) if r["cpu_ratio"] else 1.0,
+            "decode_speedup": float(np.median(r["decode_ratio"])) if r["decode_ratio"] else 1.0,
             "acceptance": (sum(s["accepted"] for s in st) / drafted) if drafted else None,
             "tokens_per_target_forward": (float(np.sum(r["tokens"]) / sum(s["target_forwards"] for s in st))
                                           if st else 1.0),
@@ -171,12 +177,12 @@ def main() -> None:
     print(f"\nspeculative decoding, SmolLM2-135M {llm.dtype}, greedy, batch 1, {args.tokens} tokens, k<={args.spec_k}, "
           f"draft model {args.draft_model}, {args.reps} reps, torch threads {torch.get_num_threads()}; {when}")
     print(f"{'task':12} {'mode':7} {'controller':10} {'tokens':>6} {'tok/s':>7} {'speedup':>7} {'range':>11} "
-          f"{'cpu x':>6} {'accept':>7} {'tok/fwd':>7} same")
+          f"{'cpu x':>6} {'decode x':>8} {'accept':>7} {'tok/fwd':>7} same")
     for r in table:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['task']:12} {r['mode']:7} {r['controller']:10} {r['tokens']:6d} {r['tokens_per_s']:7.1f} "
               f"{r['speedup']:6.2f}x {r['speedup_range'][0]:5.2f}-{r['speedup_range'][1]:4.2f}x "
-              f"{r['cpu_speedup']:5.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}"
+              f"{r['cpu_speedup']:5.2f}x {r['decode_speedup']:7.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}"
               + (f"  errors: {len(r['errors'])} ({r['errors'][0]})" if r["errors"] else ""))
     speeds = []
     if args.draft_speed:
