@@ -11,7 +11,8 @@ Tasks:
 For each task and repetition, plain and each speculative mode run back to back (the order
 rotates per repetition), so machine noise hits them alike; tokens/s is output tokens over the
 request's wall time (prefill included), speedup is plain's time over the mode's (median of the
-per-repetition ratios; `range`: their smallest and largest), `cpu x` the same ratio of the
+per-repetition ratios; `95% CI`: a bootstrap interval of that median, the JSON also has their
+smallest and largest), `cpu x` the same ratio of the
 process's CPU time (steadier than wall time on a machine shared with other jobs), `decode x` the
 ratio after taking off each repetition's time to the first token (the same request with
 max_tokens=1: prefill, which speculation cannot shorten, and the first step). The target
@@ -79,6 +80,15 @@ def run_once(llm, prompt, mode, tokens, k, controller, arg):
     return time.perf_counter() - t, time.process_time() - c, out
 
 
+def median_interval(values: list[float], resamples: int = 4000) -> list[float]:
+    """Bootstrap 95 % interval of the median of `values` (fixed seed: the table repeats)."""
+    if not values:
+        return [1.0, 1.0]
+    picks = np.random.default_rng(0).choice(values, size=(resamples, len(values)))
+    lo, hi = np.percentile(np.median(picks, axis=1), [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
 def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
     rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": [], "cpu_ratio": [],
                 "decode_ratio": [], "errors": []}
@@ -118,6 +128,7 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
             "tokens_per_s": float(np.sum(r["tokens"]) / np.sum(r["seconds"])),
             "speedup": float(np.median(r["ratio"])) if r["ratio"] else 1.0,
             "speedup_range": [float(min(r["ratio"])), float(max(r["ratio"]))] if r["ratio"] else [1.0, 1.0],
+            "speedup_ci": median_interval(r["ratio"]),
             "cpu_speedup": float(np.median(r["cpu_ratio"])) if r["cpu_ratio"] else 1.0,
             "decode_speedup": float(np.median(r["decode_ratio"])) if r["decode_ratio"] else 1.0,
             "acceptance": (sum(s["accepted"] for s in st) / drafted) if drafted else None,
@@ -176,12 +187,12 @@ def main() -> None:
     when = time.strftime("%Y-%m-%d %H:%M")
     print(f"\nspeculative decoding, SmolLM2-135M {llm.dtype}, greedy, batch 1, {args.tokens} tokens, k<={args.spec_k}, "
           f"draft model {args.draft_model}, {args.reps} reps, torch threads {torch.get_num_threads()}; {when}")
-    print(f"{'task':12} {'mode':7} {'controller':10} {'tokens':>6} {'tok/s':>7} {'speedup':>7} {'range':>11} "
+    print(f"{'task':12} {'mode':7} {'controller':10} {'tokens':>6} {'tok/s':>7} {'speedup':>7} {'95% CI':>11} "
           f"{'cpu x':>6} {'decode x':>8} {'accept':>7} {'tok/fwd':>7} same")
     for r in table:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['task']:12} {r['mode']:7} {r['controller']:10} {r['tokens']:6d} {r['tokens_per_s']:7.1f} "
-              f"{r['speedup']:6.2f}x {r['speedup_range'][0]:5.2f}-{r['speedup_range'][1]:4.2f}x "
+              f"{r['speedup']:6.2f}x {r['speedup_ci'][0]:5.2f}-{r['speedup_ci'][1]:4.2f}x "
               f"{r['cpu_speedup']:5.2f}x {r['decode_speedup']:7.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}"
               + (f"  errors: {len(r['errors'])} ({r['errors'][0]})" if r["errors"] else ""))
     speeds = []
