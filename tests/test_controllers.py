@@ -11,6 +11,7 @@ and requires the same Branch records, step by step, and the same logs.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -516,3 +517,30 @@ def test_the_mini_host_agrees_with_the_sandbox(tok, name, arg, tmp_path):
     assert runs["real"][0] == runs["mini"][0]   # every Branch record
     assert runs["real"][1:] == runs["mini"][1:]   # the sequences and the log
     assert len(runs["real"][0]) >= 2   # not vacuous: several steps
+
+
+def test_a_builtin_controllers_build_key_follows_its_sources(tmp_path, monkeypatch):
+    """The build key (which names the cached module) is kept between requests while the sources'
+    modification times and sizes stay, and changes when a source or an SDK file changes: an edit
+    must never run a stale module."""
+    from rudder.controller import build
+
+    sdk = tmp_path / "sdk"
+    sdk.mkdir()
+    header, source = sdk / "lib.h", tmp_path / "ctl.c"
+    header.write_text("int f(void);\n")
+    source.write_text("int main(void) { return 0; }\n")
+    monkeypatch.setattr(build, "SDK_DIR", sdk)
+    first = build._build_key(source, False)
+    reads = []
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or b"")
+    assert build._build_key(source, False) == first and not reads  # unchanged: not hashed again
+    monkeypatch.undo()
+    monkeypatch.setattr(build, "SDK_DIR", sdk)
+    header.write_text("int g(void);\n")  # same size, new content (and modification time)
+    os.utime(header, ns=(header.stat().st_atime_ns, header.stat().st_mtime_ns + 1_000_000))
+    second = build._build_key(source, False)
+    assert second != first
+    source.write_text("int main(void) { return 1 + 0; }\n")
+    assert build._build_key(source, False) not in (first, second)
+    assert build._build_key(source, True) != build._build_key(source, False)
