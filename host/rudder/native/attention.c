@@ -169,6 +169,7 @@ static inline v16f reduce16(const v16f p[16]) {
             v16f sc[REP];                                                                          \
             for (int r = 0; r < (REP); r++) {                                                      \
                 v16f part[TILE];                                                                   \
+                _Pragma("clang loop unroll(full)") /* (the 16 sums then stay in registers) */      \
                 for (int j = 0; j < TILE; j++) {                                                   \
                     v16f a = (v16f){0};                                                            \
                     for (int c = 0; c < (D) / 16; c++)                                             \
@@ -188,12 +189,23 @@ static inline v16f reduce16(const v16f p[16]) {
                 for (int c = 0; c < (D) / 16; c++)                                                 \
                     ai[r * ((D) / 16) + c] *= corr;                                                \
             }                                                                                      \
+            /* the weights as floats (each broadcast from memory) and the row's sums in locals     \
+               (registers): the same operations as sums in place, in the same order */             \
+            float wj[(REP)][TILE];                                                                 \
+            v16f ar[(REP) * ((D) / 16)];                                                           \
+            for (int r = 0; r < (REP); r++) {                                                      \
+                memcpy(wj[r], &sc[r], sizeof wj[r]);                                               \
+                for (int c = 0; c < (D) / 16; c++)                                                 \
+                    ar[r * ((D) / 16) + c] = ai[r * ((D) / 16) + c];                               \
+            }                                                                                      \
             for (int j = 0; j < n; j++)                                                            \
                 for (int c = 0; c < (D) / 16; c++) {                                               \
                     v16f vv = VALUE(j, c, SHARED);                                                 \
                     for (int r = 0; r < (REP); r++)                                                \
-                        ai[r * ((D) / 16) + c] += sc[r][j] * vv;                                   \
+                        ar[r * ((D) / 16) + c] += wj[r][j] * vv;                                   \
                 }                                                                                  \
+            for (int e = 0; e < (REP) * ((D) / 16); e++)                                           \
+                ai[e] = ar[e];                                                                     \
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
