@@ -29,9 +29,10 @@
  * Work is split over groups of column blocks on torch's OpenMP threads (parallel.c): 4 blocks,
  * or 8 for 1 to WIDE_ROWS rows of bf16 without AMX. At a few rows a step takes the time of reading
  * the weights, and eight streams in flight read them faster than four on the development host
- * (SmolLM2's linears at one row, interleaved runs: 4-20 % less time; decode.py batch 1 ~5 %
- * faster). From 4 rows the arithmetic per byte grows, and items of four blocks in passes of MR
- * rows measured faster (wider passes, 8 x 3 rows or 12 x 2, ran 10-30 % slower there).
+ * (SmolLM2's linears at one row, interleaved runs: 4-20 % less time; decode.py batch 1 1.07x,
+ * benchmarks/RESULTS.md). From 4 rows the arithmetic per byte grows, and items of four blocks in
+ * passes of MR rows measured faster (passes of 3 rows x 8 blocks, or 12 rows x 2 blocks, ran
+ * 10-30 % slower there).
  *
  * Epilogues (`op`): 0 none; 1 out += y (the residual stream, in place); 2 SwiGLU: the weight
  * holds the gate columns then the up columns (each padded to whole blocks) and out[:, j] =
