@@ -44,13 +44,15 @@ class Case:
     def qkv(self, n):
         return torch.randn(n, (self.heads + 2 * self.kv_heads) * self.d, generator=self.gen).to(self.dtype)
 
-    def run(self, tokens, qkv, k, v):
-        """tokens: [(seq, position)]; attention of those rows in one call."""
+    def run(self, tokens, qkv, k, v, threads=None):
+        """tokens: [(seq, position)]; attention of those rows in one call (on `threads` threads)."""
         positions = torch.tensor([p for _, p in tokens], dtype=torch.int64)
         seq_of = torch.tensor([s for s, _ in tokens], dtype=torch.int64)
         slots = torch.tensor([self.slot(s, p) for s, p in tokens], dtype=torch.int64)
         step = kernels.AttentionStep(positions, slots, seq_of, self.tables, BLOCK, self.cos, self.sin, self.heads,
                                      self.kv_heads, self.d, self.dtype, self.dtype, 1 / math.sqrt(self.d))
+        if threads is not None:
+            step.struct.threads = threads
         return kernels.attention(step, qkv, k, v)
 
 
@@ -68,6 +70,21 @@ def test_rows_of_a_group_equal_rows_decoded_one_at_a_time(heads, kv_heads, d, dt
 
     k_one, v_one = case.k.clone(), case.v.clone()
     alone = torch.cat([case.run([r], qkv[i:i + 1], k_one, v_one) for i, r in enumerate(rows)])
+    assert torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_verified_draft_split_for_the_threads_equals_rows_decoded_alone(threads):
+    """A verified draft is one group per KV head, too few items for the threads: the call splits
+    it into groups of half the rows; every row still equals the one-token call bit for bit."""
+    case = Case(9, 3, 64, torch.bfloat16, contexts=[37])
+    rows = [(0, 37 + i) for i in range(9)]
+    qkv = case.qkv(len(rows))
+    k_all, v_all = case.k.clone(), case.v.clone()
+    together = case.run(rows, qkv, k_all, v_all, threads=threads)
+    k_one, v_one = case.k.clone(), case.v.clone()
+    alone = torch.cat([case.run([r], qkv[i:i + 1], k_one, v_one, threads=1) for i, r in enumerate(rows)])
     assert torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
     assert torch.equal(together, alone)
 

@@ -276,6 +276,15 @@ int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, 
     if (groups == NULL)
         return -2;
     int64_t n = make_groups(s, most, groups, groups + s->tokens);
+    if (n * s->kv_heads < 2 * s->threads && s->tokens > 1) {
+        /* Too few items for the threads (a verified draft is one group per KV head: 3 items on 2
+           threads), so groups of half the rows: each thread gets a share; a row's arithmetic does
+           not depend on its group, only the tiles are read once more. */
+        int64_t longest = 1;
+        for (int64_t i = 0; i < n; i++)
+            longest = groups[s->tokens + i] > longest ? groups[s->tokens + i] : longest;
+        n = make_groups(s, (longest + 1) / 2, groups, groups + s->tokens);
+    }
     attn_call call = {s, qkv, k_cache, v_cache, out, groups, groups + s->tokens};
     rudder_parallel_for(write_kv, &call, s->tokens, s->tokens >= 16 ? s->threads : 1);
     rudder_parallel_for(pick(d, rep), &call, n * s->kv_heads, s->threads);
