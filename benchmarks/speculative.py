@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "host"))
 
 import torch  # noqa: E402
 
+from ab import interval  # noqa: E402  (the bootstrap interval of a median ratio)
 from rudder import LLM, SamplingParams  # noqa: E402
 
 DOCUMENT = """\
@@ -80,15 +81,6 @@ def run_once(llm, prompt, mode, tokens, k, controller, arg):
     return time.perf_counter() - t, time.process_time() - c, out
 
 
-def median_interval(values: list[float], resamples: int = 4000) -> list[float]:
-    """Bootstrap 95 % interval of the median of `values` (fixed seed: the table repeats)."""
-    if not values:
-        return [1.0, 1.0]
-    picks = np.random.default_rng(0).choice(values, size=(resamples, len(values)))
-    lo, hi = np.percentile(np.median(picks, axis=1), [2.5, 97.5])
-    return [float(lo), float(hi)]
-
-
 def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
     rows = {m: {"seconds": [], "tokens": [], "stats": [], "same": True, "ratio": [], "cpu_ratio": [],
                 "decode_ratio": [], "errors": []}
@@ -128,7 +120,8 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
             "tokens_per_s": float(np.sum(r["tokens"]) / np.sum(r["seconds"])),
             "speedup": float(np.median(r["ratio"])) if r["ratio"] else 1.0,
             "speedup_range": [float(min(r["ratio"])), float(max(r["ratio"]))] if r["ratio"] else [1.0, 1.0],
-            "speedup_ci": median_interval(r["ratio"]),
+            "speedup_ci": (list(interval(np.asarray(r["ratio"]), np.random.default_rng(0))) if r["ratio"]
+                           else [1.0, 1.0]),
             "cpu_speedup": float(np.median(r["cpu_ratio"])) if r["cpu_ratio"] else 1.0,
             "decode_speedup": float(np.median(r["decode_ratio"])) if r["decode_ratio"] else 1.0,
             "acceptance": (sum(s["accepted"] for s in st) / drafted) if drafted else None,
@@ -193,7 +186,8 @@ def main() -> None:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['task']:12} {r['mode']:7} {r['controller']:10} {r['tokens']:6d} {r['tokens_per_s']:7.1f} "
               f"{r['speedup']:6.2f}x {r['speedup_ci'][0]:5.2f}-{r['speedup_ci'][1]:4.2f}x "
-              f"{r['cpu_speedup']:5.2f}x {r['decode_speedup']:7.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} {r['same_as_plain']}"
+              f"{r['cpu_speedup']:5.2f}x {r['decode_speedup']:7.2f}x {acc:>7} {r['tokens_per_target_forward']:7.2f} "
+              f"{r['same_as_plain']}"
               + (f"  errors: {len(r['errors'])} ({r['errors'][0]})" if r["errors"] else ""))
     speeds = []
     if args.draft_speed:

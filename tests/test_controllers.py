@@ -533,10 +533,9 @@ def test_a_builtin_controllers_build_key_follows_its_sources(tmp_path, monkeypat
     monkeypatch.setattr(build, "SDK_DIR", sdk)
     first = build._build_key(source, False)
     reads = []
-    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or b"")
-    assert build._build_key(source, False) == first and not reads  # unchanged: not hashed again
-    monkeypatch.undo()
-    monkeypatch.setattr(build, "SDK_DIR", sdk)
+    with monkeypatch.context() as m:
+        m.setattr(Path, "read_bytes", lambda self: reads.append(self) or b"")
+        assert build._build_key(source, False) == first and not reads  # unchanged: not hashed again
     header.write_text("int g(void);\n")  # same size, new content (and modification time)
     os.utime(header, ns=(header.stat().st_atime_ns, header.stat().st_mtime_ns + 1_000_000))
     second = build._build_key(source, False)
