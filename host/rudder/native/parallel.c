@@ -17,9 +17,14 @@
  * the caller waits out the rest of its time slice (milliseconds, against microseconds of work).
  * On a quiet machine two threads decode ~1.35x faster than one; on a busy one a step took 1.6x
  * longer. So the caller times that wait: a job whose caller waited more than STRAGGLER_NS (and
- * longer than its own share of the work) marks the helpers as late, and the next BACKOFF_MIN
- * jobs run inline, then one job tries the helpers again; each late try doubles the wait (up to
- * BACKOFF_MAX jobs, a few seconds of decoding), an on-time one resets it.
+ * longer than its own share of the work) had a late helper. Two late helpers within LATE_WINDOW_NS
+ * mark the helpers as late: the next BACKOFF_MIN jobs run inline, then one job tries the helpers
+ * again; each late try doubles the wait (up to BACKOFF_MAX jobs, a few seconds of decoding), an
+ * on-time one resets it. A lone late helper changes nothing: even a quiet host preempts a helper
+ * now and then (on the development host, for one ~4 ms tick every few hundred ms: its system
+ * daemons), and running the next jobs inline then cost more than the wait itself - a 233-token
+ * prefill took 172 ms instead of 150 (its jobs take a millisecond each, and 32 of them lost the
+ * second core).
  *
  * Which thread runs which item varies; each item's arithmetic does not, so results never depend
  * on the thread count. One job at a time: a second caller (another thread) runs its loop inline.
@@ -42,6 +47,7 @@
 #define MAX_HELPERS 15
 #define SPIN_TURNS 20000 /* ~tens of us of spinning before a helper sleeps */
 #define STRAGGLER_NS 300000 /* a wait for a claimed item this long: its helper lost its core */
+#define LATE_WINDOW_NS 20000000 /* a second late helper this soon: the helpers are late (> 50/s) */
 #define BACKOFF_MIN 32      /* jobs run inline after a late helper (a decode step is ~150 jobs) */
 #define BACKOFF_MAX 65536
 
@@ -58,7 +64,7 @@ static uint32_t sleepers;   /* helpers asleep on it */
 static int started;         /* helpers created */
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
 /* under job_lock: jobs still to run inline, the next backoff, and counts for rudder_parallel_stats */
-static int64_t inline_left, next_backoff = BACKOFF_MIN;
+static int64_t inline_left, next_backoff = BACKOFF_MIN, last_late = -LATE_WINDOW_NS;
 static int64_t stat_jobs, stat_inline, stat_late;
 
 static int64_t monotonic_ns(void) {
@@ -167,8 +173,13 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
         }
         if (waited > STRAGGLER_NS && waited > own) {
             stat_late++;
-            inline_left = next_backoff;
-            next_backoff = next_backoff < BACKOFF_MAX ? 2 * next_backoff : BACKOFF_MAX;
+            int64_t now = start + own + waited;
+            /* late again right after backing off, or a second late helper soon after the first */
+            if (next_backoff > BACKOFF_MIN || now - last_late < LATE_WINDOW_NS) {
+                inline_left = next_backoff;
+                next_backoff = next_backoff < BACKOFF_MAX ? 2 * next_backoff : BACKOFF_MAX;
+            }
+            last_late = now;
         } else {
             next_backoff = BACKOFF_MIN;
         }
