@@ -2,6 +2,7 @@
 late (their core taken by another process) again and again make the next jobs run on the caller's
 thread alone, so a busy machine never makes every kernel call wait out a helper's time slice."""
 
+import itertools
 import threading
 import time
 
@@ -150,7 +151,41 @@ def test_rows_take_their_own_choice(monkeypatch):
         for rows, cost in ((1, {1: 1.0, 2: 2.0}), (64, {1: 2.0, 2: 1.0})):
             t = choice.pick(rows)
             choice.record(rows, t, cost[t])
-    assert choice.pick(1) in (1, 2) and choice.state[1][0] == 1 and choice.state[7][0] == 2
+    assert choice.pick(1) in (1, 2) and choice.threads(1) == 1 and choice.threads(64) == 2
+
+
+def test_classes_share_when_to_probe(monkeypatch):
+    """The classes measure the same host: a probe lost in one class lengthens the wait of all (a
+    draft's rare row counts do not keep probing), and one won makes the others probe soon."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(native, "amx_usable", lambda: False)
+    choice = kernels.ThreadChoice()
+    quiet = {rows: {1: 1.0 + rows / 10, 2: 0.7 + rows / 20} for rows in (1, 3, 9, 14)}
+
+    counter = itertools.count()
+
+    def calls(n, cost):
+        used = []
+        for _ in range(n):
+            rows = (1, 3, 9, 14)[next(counter) % 4]
+            t = choice.pick(rows)
+            used.append((rows, t))
+            choice.record(rows, t, cost[rows][t])
+        return used
+
+    probes = [rows for rows, t in calls(2000, quiet) if t == 1]
+    assert 5 <= len(probes) <= 8  # after 8, 16, ... 512 calls of any class (a count per class: 20)
+    assert len(set(probes)) > 1  # each class is probed in its turn
+
+    busy = {rows: {1: c[1], 2: 2 * c[2]} for rows, c in quiet.items()}  # another process took a core
+    switched = {}
+    for i in range(600):
+        calls(1, busy)
+        for rows in (1, 3, 9, 14):
+            if choice.threads(rows) == 1:
+                switched.setdefault(rows, i)
+    assert len(switched) == 4  # within PROBE_MAX calls
+    assert max(switched.values()) - min(switched.values()) <= 4  # one class's probe won: the others next
 
 
 class _Busy:

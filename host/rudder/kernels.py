@@ -55,40 +55,64 @@ def _kernels():
     return _lib or None
 
 
+def size_class(rows: int) -> int:
+    """The class of a decoder call by its rows, for timing like calls together: each count up to
+    16 (a verified draft of 14 rows costs ~1.3x one of 9), then powers of two."""
+    return rows if rows <= 16 else 16 + rows.bit_length()
+
+
 class ThreadChoice:
-    """The thread count of the native decoder's calls, by measurement: per size class of the call
-    (rows rounded to a power of two), the current choice runs every call and is timed; now and
-    then one call runs with the other count, and if it was faster than the current choice's
-    recent calls by MARGIN, it becomes the choice. A probe that loses doubles the wait before
-    the next (PROBE_MIN to PROBE_MAX calls). Results never depend on it (parallel.c)."""
+    """The thread count of the native decoder's calls, by measurement: per size class of the call,
+    the current choice runs every call and is timed; now and then one call runs with the other
+    count, and if it was faster than the class's recent calls by MARGIN, it becomes the class's
+    choice. When to probe is shared by the classes, which measure the same host: every `interval`
+    calls (counted over all classes) the next call of a timed class is a probe; a probe that loses
+    doubles the interval (PROBE_MIN to PROBE_MAX calls); one that wins (the host changed) resets
+    it, and each other class still on the count that lost probes at its next call. A one-thread
+    probe on a quiet host costs most of a call again (a 14-row verification: 13 -> 23 ms), and
+    with a count per class, classes of rare calls (a draft's row counts) kept probing every few
+    requests. Results never depend on it (parallel.c)."""
 
     PROBE_MIN, PROBE_MAX, MARGIN, EMA = 8, 512, 0.05, 0.7
 
     def __init__(self):
-        self.state: dict[int, list] = {}  # size class -> [threads, seconds (EMA), calls to probe, interval]
+        self.state: dict[int, list] = {}  # size class -> [threads, seconds (EMA)]
+        self.interval = self.countdown = self.PROBE_MIN  # calls between probes, calls to the next
+        self.due: set[int] = set()  # classes to probe at their next call
 
     def pick(self, rows: int) -> int:
         many = torch.get_num_threads()
         if _one_thread(rows, many):
             return 1
-        st = self.state.setdefault(rows.bit_length(), [many, None, self.PROBE_MIN, self.PROBE_MIN])
-        _latest[rows.bit_length()] = st[0]
-        if st[1] is not None and st[2] <= 0:
+        c = size_class(rows)
+        st = self.state.setdefault(c, [many, None])
+        _latest[c] = st[0]
+        if st[1] is not None and (self.countdown <= 0 or c in self.due):
             return 1 if st[0] != 1 else many  # the probe: the other count, once
         return st[0]
 
+    def threads(self, rows: int) -> int | None:
+        """The class's current choice (None before its first call)."""
+        st = self.state.get(size_class(rows))
+        return None if st is None else st[0]
+
     def record(self, rows: int, threads: int, seconds: float) -> None:
-        st = self.state.get(rows.bit_length())
+        c = size_class(rows)
+        st = self.state.get(c)
         if st is None:
             return
         if threads == st[0]:
             st[1] = seconds if st[1] is None else self.EMA * st[1] + (1 - self.EMA) * seconds
-            st[2] -= 1
-        elif seconds < st[1] * (1 - self.MARGIN):  # the probe won: switch, and check again soon
-            st[:] = [threads, seconds, self.PROBE_MIN, self.PROBE_MIN]
+            self.countdown -= 1
+            return
+        self.due.discard(c)
+        if seconds < st[1] * (1 - self.MARGIN):  # the probe won: switch, and check the others
+            self.due |= {other for other, s in self.state.items() if s[0] == st[0] and s[1] is not None} - {c}
+            st[:] = [threads, seconds]
+            self.interval = self.countdown = self.PROBE_MIN
         else:
-            st[3] = min(2 * st[3], self.PROBE_MAX)
-            st[2] = st[3]
+            self.interval = min(2 * self.interval, self.PROBE_MAX)
+            self.countdown = self.interval
 
 
 _latest: dict[int, int] = {}  # size class -> the count a decoder stack chose last
@@ -114,7 +138,7 @@ def _threads(rows: int) -> int:
     """Threads for a kernel called outside a decoder stack (the LM head, the torch path's
     attention): what the decoder chose last for calls of this size."""
     many = torch.get_num_threads()
-    return 1 if _one_thread(rows, many) else _capped(_latest.get(rows.bit_length(), many))
+    return 1 if _one_thread(rows, many) else _capped(_latest.get(size_class(rows), many))
 
 
 def parallel_stats() -> dict:
