@@ -15,7 +15,11 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no native kerne
 
 
 def run_job(item, n: int) -> None:
-    kernels._kernels().rudder_parallel_for(item, native.ffi.NULL, n, 2)
+    run_job_threads(item, n, 2)
+
+
+def run_job_threads(item, n: int, threads: int) -> None:
+    kernels._kernels().rudder_parallel_for(item, native.ffi.NULL, n, threads)
 
 
 @native.ffi.callback("void(void *, int64_t)")
@@ -97,6 +101,28 @@ def test_late_helpers_send_the_next_jobs_inline():
     main = threading.get_ident()
     assert _record_jobs(5) == {main}  # all on the caller: the helpers sit out
     assert kernels.parallel_stats()["inline"] == after["inline"] + 5
+
+
+def test_a_job_that_takes_fewer_helpers_than_exist_still_gets_one():
+    """A futex wakes any of its sleepers: a job of two threads after one of four must wake a
+    helper that takes part, not only one that the job leaves out."""
+    main = threading.get_ident()
+    for _ in range(5):
+        arrived = []
+
+        @native.ffi.callback("void(void *, int64_t)")
+        def staggered(ctx, i):  # three helpers; they go to sleep in the reverse order of arrival
+            if threading.get_ident() != main:
+                arrived.append(i)
+                time.sleep(0.03 * (3 - len(arrived)))
+            else:
+                deadline = time.monotonic() + 2
+                while len(arrived) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.0001)
+
+        run_job_threads(staggered, 4, 4)
+        time.sleep(0.05)  # all of them asleep
+        assert _late_job(0.0), "no helper took part"
 
 
 def test_items_run_once_each_whatever_thread_runs_them():

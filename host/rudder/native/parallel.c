@@ -89,17 +89,20 @@ static void claim_and_run(uint32_t gen) {
 }
 
 static void *helper(void *arg) {
-    int index = (int)(intptr_t)arg;
+    int index = (int)(intptr_t)arg, took_part = 1;
     uint32_t seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
     for (;;) {
         uint32_t g = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
         if (g != seen) {
             seen = g;
-            if (index < __atomic_load_n(&job.helpers, __ATOMIC_ACQUIRE))
+            took_part = index < __atomic_load_n(&job.helpers, __ATOMIC_ACQUIRE);
+            if (took_part)
                 claim_and_run(g);
             continue;
         }
-        for (int i = 0; i < SPIN_TURNS && __atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen; i++)
+        /* spin for the next job only after taking part in one: a helper a smaller job left out
+         * (woken with the others) goes back to sleep at once, off the cores */
+        for (int i = 0; took_part && i < SPIN_TURNS && __atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen; i++)
             relax();
         if (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) != seen)
             continue;
@@ -155,8 +158,12 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
         __atomic_store_n(&job.helpers, helpers, __ATOMIC_RELEASE);
         __atomic_store_n(&job.claim, (uint64_t)gen << 32, __ATOMIC_RELEASE);
         __atomic_store_n(&generation, gen, __ATOMIC_RELEASE);
+        /* A futex wakes any of its sleepers: when more helpers exist than this job takes, wake
+         * them all, or the one woken could be a helper the job leaves out (it runs on the caller
+         * alone then: a 4-thread call before a 2-thread one left the latter without its helper) */
         if (__atomic_load_n(&sleepers, __ATOMIC_ACQUIRE) > 0)
-            syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, helpers, 0, 0, 0);
+            syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE,
+                    helpers < __atomic_load_n(&started, __ATOMIC_ACQUIRE) ? MAX_HELPERS : helpers, 0, 0, 0);
         claim_and_run(gen);
         /* only items a helper has claimed are left; wait for those (yielding now and then: the
          * helper may be waiting for this very core) */
