@@ -14,8 +14,8 @@ request's wall time (prefill included), speedup is plain's time over the mode's 
 per-repetition ratios; `95% CI`: a bootstrap interval of that median, the JSON also has their
 smallest and largest), `cpu x` the same ratio of the
 process's CPU time (steadier than wall time on a machine shared with other jobs), `decode x` the
-ratio after taking off each repetition's time to the first token (the same request with
-max_tokens=1: prefill, which speculation cannot shorten, and the first step). The target
+ratio after taking off each repetition's time to the first token (the same prompt with
+max_tokens=1 and no controller: prefill, which speculation cannot shorten, and the first step). The target
 runs in --dtype (default auto: bf16 where the CPU has native bf16); the draft model
 (--draft-model int8) is the target quantised. Greedy output must be identical to plain: the `same` column checks it.
 `--draft-speed` adds the draft candidates' decode time per token next to the target's.
@@ -92,7 +92,9 @@ def bench_task(llm, name, prompt, controller, arg, modes, reps, tokens, k):
     for rep in range(reps):
         rot = order[rep % len(order):] + order[: rep % len(order)]
         outs = {}
-        first, _, _ = run_once(llm, prompt, None, 1, k, controller, arg)  # prefill + the first token
+        # prefill + the first token (without the controller, whose first fast-forward would fill
+        # max_tokens=1 before any forward)
+        first, _, _ = run_once(llm, prompt, None, 1, k, None, "")
         for m in rot:
             seconds, cpu, out = run_once(llm, prompt, m, tokens, k, controller, arg)
             outs[m] = (seconds, out, cpu)

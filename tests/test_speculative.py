@@ -299,7 +299,7 @@ def _next_token_probs(model, ids, temperature, allowed=None):
     return (logits / temperature).softmax(-1).double().numpy()
 
 
-FIRST = 77  # forced by the controller, so the speculated position has a known distribution
+FIRST = 77  # the only token the controller allows first, so the speculated position has a known distribution
 
 
 @pytest.mark.parametrize("under_mask", [False, True])
@@ -309,8 +309,8 @@ def test_speculative_sampling_matches_the_target_distribution(llm, under_mask):
     temperature = 1.0 if under_mask else 0.6
 
     def policy(c):
-        if len(c.seq) == c.n_prompt:
-            return [Branch(ff=[[FIRST]])]
+        if len(c.seq) == c.n_prompt:  # (a mask, not a fast-forward: that would join the prompt)
+            return [Branch(mask=allowed_where(TOKENS == FIRST))]
         return [Branch(mask=None if allowed is None else allowed_where(allowed))]
 
     n = 2500

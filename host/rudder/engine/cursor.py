@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ..branch import Branch
 
 __all__ = ["Controller", "ControllerCursor"]
@@ -35,7 +37,7 @@ class Controller(Protocol):
 
 
 class ControllerCursor:
-    __slots__ = ("controller", "branch", "backtrack", "appended", "ahead", "deferred")
+    __slots__ = ("controller", "branch", "backtrack", "appended", "ahead", "deferred", "started")
 
     def __init__(self, controller: Controller, prompt_ids: list[int]):
         self.controller = controller
@@ -44,6 +46,7 @@ class ControllerCursor:
         self.appended: list[int] = list(prompt_ids)  # the first call is told the prompt
         self.ahead = 0
         self.deferred: "Branch | None" = None
+        self.started: "Future | None" = None  # a call already under way (the first: engine.add_request)
 
     @property
     def wants_call(self) -> bool:
