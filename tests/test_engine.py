@@ -262,3 +262,76 @@ def test_an_llm_dropped_without_close_ends_its_controller_threads():
     while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(t.is_alive() for t in mine)
+
+
+class _FirstAnswer:
+    """Answers `first` (after `delay` s) to the call that tells it the prompt, then samples freely;
+    records the tokens each call was told."""
+
+    def __init__(self, first, delay: float = 0.0):
+        self.first, self.delay, self.told = first, delay, []
+
+    def mid_process(self, branch_idx, backtrack, tokens):
+        self.told.append(list(tokens))
+        if len(self.told) == 1:
+            time.sleep(self.delay)
+            return self.first
+        return [Branch()]
+
+    def fork(self):
+        raise AssertionError("no forks here")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_first_fast_forward_is_prefilled_with_the_prompt(monkeypatch, delay):
+    """A controller's first answer that needs no logits (a fast-forward) joins the prompt's prefill
+    when it comes in time (FIRST_ANSWER_WAIT); one that comes later is applied after the prefill as
+    before. Either way the tokens and what the controller is told are the same."""
+    llm = LLM("tiny", kv_cache_tokens=4096, block_size=8)
+    fed = []
+    run = llm.engine.runner.run
+
+    def counting(batch, *args):
+        fed.append(sum(e.num_tokens for e in batch))
+        return run(batch, *args)
+
+    monkeypatch.setattr(llm.engine.runner, "run", counting)
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    controller = _FirstAnswer([Branch(ff=[[40, 41, 42]])], delay)
+    [out] = llm.generate([prompt], params, controllers=[controller])
+    assert out.token_ids[:3] == [40, 41, 42] and len(out.token_ids) == 6
+    assert controller.told[:2] == [prompt, [40, 41, 42]]
+    if delay == 0.0:  # prompt and fast-forward in one forward, then one per sampled token
+        assert fed == [7, 1, 1]
+    else:  # the prompt's logits go unused: the fast-forward needs a forward of its own
+        assert fed == [4, 3, 1, 1]
+    fed.clear()
+    [plain] = llm.generate([prompt + [40, 41, 42]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert out.token_ids[3:] == plain.token_ids
+
+
+def test_a_first_answer_that_stops_or_masks(tiny):
+    """A stop as the first answer ends the request before any forward; a mask waits for the
+    prompt's logits (and is not asked for twice)."""
+    fed = []
+    run = tiny.engine.runner.run
+
+    def counting(batch, *args):
+        fed.append(sum(e.num_tokens for e in batch))
+        return run(batch, *args)
+
+    tiny.engine.runner.run = counting
+    try:
+        [stopped] = tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=4), controllers=[_FirstAnswer([])])
+        assert stopped.finish_reason == "stop" and stopped.token_ids == [] and fed == []
+        words = np.zeros((tiny.model.cfg.vocab_size + 31) // 32, np.uint32)
+        words[50 >> 5] = np.uint32(1 << (50 & 31))
+        masked = _FirstAnswer([Branch(mask=words)])
+        [out] = tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0), controllers=[masked])
+        assert out.token_ids[0] == 50 and fed == [3, 1] and masked.told[:2] == [[5, 6, 7], [50]]
+    finally:
+        del tiny.engine.runner.run
