@@ -166,7 +166,8 @@ def replay(prompt, out, forced, rule, k_max: int, costs: list[float], oracle: bo
             if oracle:
                 proposals = out[j:j + 1] if on_path and j < n else []
             elif not proposals:
-                proposals = lookup.continuation(prompt + out[:i] + draft, k_max)
+                proposals = lookup.continuation(prompt + out[:i] + draft, k_max,
+                                                after_forced=bool(draft) and forced[j - 1])
             if not proposals:
                 break
             draft.append(proposals.pop(0))

@@ -500,3 +500,35 @@ def test_prompt_lookup_proposes_little_on_a_one_token_match():
     seq = [5, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 1, 2]  # ends in "1 2": a two-token match
     assert lookup.continuation(seq, 8) == [3, 4, 6, 7, 8, 9, 10, 11]
     assert lookup.continuation([1, 2, 3], 8) == []  # nothing occurred before
+
+
+def test_prompt_lookup_proposes_nothing_on_a_one_token_match_of_forced_text(llm, monkeypatch):
+    """After the controller's fast-forward, a one-token match is the controller's own text
+    recurring (a JSON key's `":"`): no proposal; a longer match still proposes."""
+    from rudder.engine.drafts import PromptLookup
+
+    lookup = PromptLookup()
+    seq = [7, 9, 1, 2, 3, 4, 6, 9]  # ... 9 (forced): a one-token match
+    assert lookup.continuation(seq, 8) == [1, 2] and lookup.continuation(seq, 8, after_forced=True) == []
+    seq = [5, 9, 1, 2, 3, 4, 5, 9]  # ... 5 9: two tokens match
+    assert lookup.continuation(seq, 8, after_forced=True) == [1, 2, 3, 4, 5, 9]
+
+    # In the engine: every draft step that follows the controller's fast-forward looks up so.
+    seen = []
+    real = PromptLookup.continuation
+
+    def spy(self, tokens, k, after_forced=False):
+        seen.append((tokens[-2:] == [9, 9], after_forced))
+        return real(self, tokens, k, after_forced)
+
+    monkeypatch.setattr(PromptLookup, "continuation", spy)
+
+    def keys(c):  # a "key" (9 9) forced after every third token; the model never samples a 9
+        n = len(c.seq) - c.n_prompt
+        return [Branch(ff=[[9, 9]])] if n % 5 == 3 else [Branch(mask=allowed_where(TOKENS != 9))]
+
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, speculative="lookup", spec_k=4)
+    [out] = llm.generate([[9, 9, 40, 41, 42, 9, 9, 50]], params, controllers=[Mirror(keys)])
+    assert out.speculative["forced"] > 0
+    assert all(after_key == after_forced for after_key, after_forced in seen)
+    assert {after_forced for _, after_forced in seen} == {True, False}

@@ -470,7 +470,8 @@ class Speculator:
         mask = None if branch is None else branch.mask
         if seq.params.speculative == "lookup":
             if d.lookup_at != len(d.tokens) or not d.lookup:  # forced tokens moved it: look again
-                d.lookup = self.lookup.continuation(seq.token_ids + d.tokens, d.k)
+                d.lookup = self.lookup.continuation(seq.token_ids + d.tokens, d.k,
+                                                    after_forced=bool(d.steps) and d.steps[-1].forced)
             if not d.lookup:
                 return None, None
             token = d.lookup.pop(0)
