@@ -57,6 +57,9 @@
 #define GROUP 4 /* column blocks per work item */
 #define WIDE_GROUP 8 /* ... for up to WIDE_ROWS rows on the bf16 vector path */
 #define WIDE_ROWS 3
+/* Rows per work item from 2 * ROW_CHUNK rows (vector path): a prefill's 9 items of SmolLM2's
+ * o and down projections left a thread idle for up to a ninth of the call */
+#define ROW_CHUNK 48
 #define AMX_MIN_ROWS_I8 8 /* int8: AMX tiles from this many rows (the same integers either way) */
 
 enum { OP_NONE = 0, OP_ADD = 1, OP_SWIGLU = 2 };
@@ -97,6 +100,7 @@ typedef struct {
     int out_bf16, op, int8, amx;
     int64_t mpad;        /* AMX: rows padded to whole tiles */
     int group;           /* column blocks per work item: GROUP or WIDE_GROUP (run) */
+    int64_t row_chunks;  /* ... and the rows split in chunks of ROW_CHUNK (many rows, vector path) */
 } lin;
 
 static inline float hmax16_f(v16f v) {
@@ -255,10 +259,10 @@ static void dot_i8(const lin *L, const int64_t *blocks, int64_t m0, int mr, int 
             }
 }
 
-static void vector_item(const lin *L, const int64_t *blocks, int ng, int passes) {
+static void vector_item(const lin *L, const int64_t *blocks, int ng, int passes, int64_t row0, int64_t row1) {
     int rows_per = L->int8 ? 3 : MR;
-    for (int64_t m0 = 0; m0 < L->m; m0 += rows_per) {
-        int mr = L->m - m0 < rows_per ? (int)(L->m - m0) : rows_per;
+    for (int64_t m0 = row0; m0 < row1; m0 += rows_per) {
+        int mr = row1 - m0 < rows_per ? (int)(row1 - m0) : rows_per;
         acc16 acc[2][MR][WIDE_GROUP]; /* [pass: gate or plain, up][row][block] */
         for (int h = 0; h < passes; h++) {
             if (L->int8)
@@ -396,6 +400,9 @@ static void amx_item(const lin *L, const int64_t *blocks, int ng, int passes) {
 
 static void run_item(void *p, int64_t item) {
     const lin *L = (const lin *)p;
+    int64_t chunk = item % L->row_chunks, row0 = chunk * ROW_CHUNK;
+    int64_t row1 = chunk == L->row_chunks - 1 ? L->m : row0 + ROW_CHUNK;
+    item /= L->row_chunks;
     int64_t nblocks = (L->n + 15) / 16, first = item * L->group;
     int ng = nblocks - first < L->group ? (int)(nblocks - first) : L->group;
     int passes = L->op == OP_SWIGLU ? 2 : 1;
@@ -410,13 +417,14 @@ static void run_item(void *p, int64_t item) {
         return;
     }
 #endif
-    vector_item(L, blocks, ng, passes);
+    vector_item(L, blocks, ng, passes, row0, row1);
 }
 
 static void run(lin *L, int threads) {
     L->group = !L->int8 && !L->amx && L->m <= WIDE_ROWS ? WIDE_GROUP : GROUP;
+    L->row_chunks = L->amx || L->m < 2 * ROW_CHUNK ? 1 : (L->m + ROW_CHUNK - 1) / ROW_CHUNK;
     int64_t items = ((L->n + 15) / 16 + L->group - 1) / L->group;
-    rudder_parallel_for(run_item, L, items, threads);
+    rudder_parallel_for(run_item, L, items * L->row_chunks, threads);
 }
 
 /* Rows padded to whole 16-row tiles (zeros), in a buffer of 64-byte alignment; NULL if no memory. */
