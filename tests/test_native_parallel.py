@@ -169,6 +169,32 @@ def test_thread_choice_takes_the_count_measured_faster(monkeypatch):
     assert calls(1200)[-200:].count(2) >= 199
 
 
+def test_calls_of_many_rows_are_probed_only_once_the_host_changed(monkeypatch):
+    """A one-thread probe of a prefill costs most of the prefill again: on schedule only calls of
+    up to PROBE_ROWS rows are probed; a class of more rows is probed once another class's probe
+    won (then it switches if one thread is faster there too)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(native, "amx_usable", lambda: False)
+    choice = kernels.ThreadChoice()
+
+    def calls(n, cost):
+        used = []
+        for i in range(n):
+            rows = (1, 3, 236)[i % 3]
+            t = choice.pick(rows)
+            used.append((rows, t))
+            choice.record(rows, t, cost[rows][t])
+        return used
+
+    quiet = {1: {1: 1.0, 2: 0.7}, 3: {1: 1.2, 2: 0.8}, 236: {1: 30.0, 2: 16.0}}
+    used = calls(3000, quiet)
+    assert [t for r, t in used if r == 236] == [2] * 1000
+    assert any(t == 1 for r, t in used if r < 16)  # the small ones were probed
+    busy = {rows: {1: c[1], 2: 2 * c[2]} for rows, c in quiet.items()}
+    used = calls(3000, busy)
+    assert choice.threads(236) == 1 and [t for r, t in used if r == 236][-100:] == [1] * 100
+
+
 def test_rows_take_their_own_choice(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(native, "amx_usable", lambda: False)

@@ -69,11 +69,14 @@ class ThreadChoice:
     calls (counted over all classes) the next call of a timed class is a probe; a probe that loses
     doubles the interval (PROBE_MIN to PROBE_MAX calls); one that wins (the host changed) resets
     it, and each other class still on the count that lost probes at its next call. A one-thread
-    probe on a quiet host costs most of a call again (a 14-row verification: 13 -> 23 ms), and
-    with a count per class, classes of rare calls (a draft's row counts) kept probing every few
-    requests. Results never depend on it (parallel.c)."""
+    probe on a quiet host costs most of a call again (a 14-row verification: 13 -> 23 ms, a
+    236-token prefill: 147 -> 270 ms), so the probes on schedule take calls of up to PROBE_ROWS
+    rows, and a class of more rows is probed only after another class's probe won. (With a count
+    per class, classes of rare calls - a draft's row counts - kept probing every few requests.)
+    Results never depend on it (parallel.c)."""
 
     PROBE_MIN, PROBE_MAX, MARGIN, EMA = 8, 512, 0.05, 0.7
+    PROBE_ROWS = 16  # the probes on schedule take calls of up to this many rows
 
     def __init__(self):
         self.state: dict[int, list] = {}  # size class -> [threads, seconds (EMA)]
@@ -87,7 +90,7 @@ class ThreadChoice:
         c = size_class(rows)
         st = self.state.setdefault(c, [many, None])
         _latest[c] = st[0]
-        if st[1] is not None and (self.countdown <= 0 or c in self.due):
+        if st[1] is not None and (c in self.due or (self.countdown <= 0 and rows <= self.PROBE_ROWS)):
             return 1 if st[0] != 1 else many  # the probe: the other count, once
         return st[0]
 
