@@ -77,8 +77,8 @@ def record(llm: LLM, tokens: int) -> tuple[list[int], list[int], list[bool], flo
     first = []
     for _ in range(3):
         t = time.perf_counter()
-        llm.generate([EXTRACT_PROMPT], SamplingParams(max_tokens=1, temperature=0.0), chat=True, controller="json",
-                     controller_arg=json.dumps(SCHEMA))
+        # (without the controller: its first fast-forward would fill max_tokens=1 before any forward)
+        llm.generate([EXTRACT_PROMPT], SamplingParams(max_tokens=1, temperature=0.0), chat=True)
         first.append(time.perf_counter() - t)
     return appended[0], out.token_ids, forced[:len(out.token_ids)], statistics.median(first)
 
@@ -146,31 +146,34 @@ class Fixed:
 def replay(prompt, out, forced, rule, k_max: int, costs: list[float], oracle: bool = False) -> dict:
     lookup = PromptLookup()
     n = len(out)
-    i = 1  # the prefill gives out[0] (the fast-forwards after it ride in the next forward)
+    i = 0  # the controller's first fast-forward joins the prompt; the prefill gives the next token
+    while i < n and forced[i]:
+        i += 1
+    i += 1
     forwards = rows = 0
     seconds = 0.0
     while i < n and forced[i]:
         i += 1
     while i < n:
         k = rule.k(k_max)
-        draft, proposals, used = [], None, 0
+        draft, proposals, used, last_forced = [], None, 0, False
         while len(draft) < MAX_ROWS - 1:
             j = i + len(draft)
             on_path = out[i:j] == draft
             if j < n and forced[j] and on_path:  # the controller forces it: free, known
                 draft.append(out[j])
-                proposals = None
+                proposals, last_forced = None, True
                 continue
             if used >= k:
                 break
             if oracle:
                 proposals = out[j:j + 1] if on_path and j < n else []
             elif not proposals:
-                proposals = lookup.continuation(prompt + out[:i] + draft, k_max,
-                                                after_forced=bool(draft) and forced[j - 1])
+                proposals = lookup.continuation(prompt + out[:i] + draft, k_max, after_forced=last_forced)
             if not proposals:
                 break
             draft.append(proposals.pop(0))
+            last_forced = False
             used += 1
         accepted = 0
         while accepted < len(draft) and i + accepted < n and draft[accepted] == out[i + accepted]:
