@@ -335,3 +335,31 @@ def test_a_first_answer_that_stops_or_masks(tiny):
         assert out.token_ids[0] == 50 and fed == [3, 1] and masked.told[:2] == [[5, 6, 7], [50]]
     finally:
         del tiny.engine.runner.run
+
+
+def test_a_request_cancelled_before_its_prefill_closes_its_controller_after_the_first_call(tiny):
+    """The first call starts with the request: cancelling the request while that call runs closes
+    the controller only once the call is over (never under a running call)."""
+    events = []
+
+    class Slow(_FirstAnswer):
+        def mid_process(self, branch_idx, backtrack, tokens):
+            events.append("call")
+            time.sleep(0.2)
+            events.append("returned")
+            return [Branch()]
+
+        def close(self):
+            events.append("closed")
+
+    req = tiny.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), Slow(None))
+    deadline = time.monotonic() + 5
+    while not events and time.monotonic() < deadline:  # the call has started on a worker
+        time.sleep(0.001)
+    tiny.engine.cancel(req.request_id)
+    assert "closed" not in events
+    deadline = time.monotonic() + 5
+    while "closed" not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events == ["call", "returned", "closed"]
+    assert not tiny.engine.has_unfinished()
