@@ -363,3 +363,32 @@ def test_a_request_cancelled_before_its_prefill_closes_its_controller_after_the_
         time.sleep(0.01)
     assert events == ["call", "returned", "closed"]
     assert not tiny.engine.has_unfinished()
+
+
+def test_a_slow_first_call_holds_up_the_steps_once(monkeypatch):
+    """While a request waits for a batch slot, its slow first call does not make every step wait
+    FIRST_ANSWER_WAIT again: the wait is bounded per request, from its arrival."""
+    from rudder.engine import llm_engine
+
+    llm = LLM("tiny", kv_cache_tokens=4096, block_size=8, max_seqs=1)
+    waits = []
+    real = llm_engine.wait_futures
+
+    def recording(futures, timeout=None, **kw):
+        if timeout is not None and timeout <= llm_engine.FIRST_ANSWER_WAIT:
+            waits.append(timeout)
+        return real(futures, timeout=timeout, **kw)
+
+    monkeypatch.setattr(llm_engine, "wait_futures", recording)
+    engine = llm.engine
+    first = engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0))
+    engine.step()  # the first request runs; the second waits for its slot
+    second = engine.add_request([8, 9], SamplingParams(max_tokens=2), _FirstAnswer([Branch()], delay=0.3))
+    steps = 0
+    while not first.finished:
+        engine.step()
+        steps += 1
+    assert steps >= 20 and sum(waits) <= llm_engine.FIRST_ANSWER_WAIT + 1e-9
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.completions(second)[0].token_ids) == 2

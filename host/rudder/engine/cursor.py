@@ -37,7 +37,7 @@ class Controller(Protocol):
 
 
 class ControllerCursor:
-    __slots__ = ("controller", "branch", "backtrack", "appended", "ahead", "deferred", "started")
+    __slots__ = ("controller", "branch", "backtrack", "appended", "ahead", "deferred", "started", "wait_until")
 
     def __init__(self, controller: Controller, prompt_ids: list[int]):
         self.controller = controller
@@ -47,6 +47,7 @@ class ControllerCursor:
         self.ahead = 0
         self.deferred: "Branch | None" = None
         self.started: "Future | None" = None  # a call already under way (the first: engine.add_request)
+        self.wait_until = 0.0  # (perf_counter) how long the engine may wait for it before the prefill
 
     @property
     def wants_call(self) -> bool:

@@ -182,6 +182,7 @@ class Engine:
         if controller is not None:
             seq.cursor = ControllerCursor(controller, prompt_ids)
             seq.cursor.started = self.calls.submit([(seq.seq_id, controller, *seq.cursor.call())])[seq.seq_id]
+            seq.cursor.wait_until = time.perf_counter() + FIRST_ANSWER_WAIT
         return req
 
     def cancel(self, request_id: int) -> None:
@@ -241,13 +242,18 @@ class Engine:
 
     def _take_first_answers(self, deltas: list[Delta]) -> None:
         """Sequences still to be prefilled whose controller's first answer came (within
-        FIRST_ANSWER_WAIT) and needs no logits - a pure fast-forward, a stop, a failure - take it
-        now; the fast-forward is then prefilled with the prompt. Other answers wait for the
-        prefill step, which takes the call as its own."""
+        FIRST_ANSWER_WAIT of the request's arrival) and needs no logits - a pure fast-forward, a
+        stop, a failure - take it now; the fast-forward is then prefilled with the prompt. Other
+        answers wait for the prefill step, which takes the call as its own. (A slow first call
+        holds up the steps once, for FIRST_ANSWER_WAIT at most, however long it stays queued.)"""
         started = [s for s in self.scheduler.waiting if s.cursor is not None and s.cursor.started is not None]
         if not started:
             return
-        wait_futures([s.cursor.started for s in started], timeout=FIRST_ANSWER_WAIT)
+        pending = [s.cursor.started for s in started if not s.cursor.started.done()]
+        if pending:
+            wait = max(s.cursor.wait_until for s in started) - time.perf_counter()
+            if wait > 0:
+                wait_futures(pending, timeout=wait)
         for seq in started:
             call = seq.cursor.started
             if not call.done():
