@@ -18,13 +18,13 @@
  * On a quiet machine two threads decode ~1.35x faster than one; on a busy one a step took 1.6x
  * longer. So the caller times that wait: a job whose caller waited more than STRAGGLER_NS (and
  * longer than its own share of the work) had a late helper. Two late helpers within LATE_WINDOW_NS
- * mark the helpers as late: the next BACKOFF_MIN jobs run inline, then one job tries the helpers
- * again; each late try doubles the wait (up to BACKOFF_MAX jobs, a few seconds of decoding), an
- * on-time one resets it. A lone late helper changes nothing: even a quiet host preempts a helper
- * now and then (on the development host, for one ~4 ms tick every few hundred ms: its system
- * daemons), and running the next jobs inline then cost more than the wait itself - a 233-token
- * prefill took 172 ms instead of 150 (its jobs take a millisecond each, and 32 of them lost the
- * second core).
+ * mark the helpers as late: jobs run inline for BACKOFF_MIN_NS, then one job tries the helpers
+ * again; each late try doubles the wait (up to BACKOFF_MAX_NS), an on-time one resets it. A lone
+ * late helper changes nothing: even a quiet host preempts a helper now and then (on the
+ * development host for 1.4-4 ms, several times a second: its system daemons), and running the
+ * next jobs inline then cost more than the wait itself - a 233-token prefill took 172 ms instead
+ * of 150. The backoff is a time, not a count of jobs, for the same reason: 32 jobs are 2 ms of a
+ * decode step but 30 ms of a prefill (two late helpers in one prefill: 175 ms instead of 150).
  *
  * Which thread runs which item varies; each item's arithmetic does not, so results never depend
  * on the thread count. One job at a time: a second caller (another thread) runs its loop inline.
@@ -48,8 +48,8 @@
 #define SPIN_TURNS 20000 /* ~tens of us of spinning before a helper sleeps */
 #define STRAGGLER_NS 300000 /* a wait for a claimed item this long: its helper lost its core */
 #define LATE_WINDOW_NS 20000000 /* a second late helper this soon: the helpers are late (> 50/s) */
-#define BACKOFF_MIN 32      /* jobs run inline after a late helper (a decode step is ~150 jobs) */
-#define BACKOFF_MAX 65536
+#define BACKOFF_MIN_NS 2000000LL    /* jobs run inline this long after late helpers (~32 decode jobs) */
+#define BACKOFF_MAX_NS 4000000000LL /* ... doubling up to this while the helpers stay late */
 
 static struct {
     rudder_chunk_fn fn;
@@ -64,7 +64,7 @@ static uint32_t sleepers;   /* helpers asleep on it */
 static int started;         /* helpers created */
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
 /* under job_lock: jobs still to run inline, the next backoff, and counts for rudder_parallel_stats */
-static int64_t inline_left, next_backoff = BACKOFF_MIN, last_late = -LATE_WINDOW_NS;
+static int64_t inline_until, next_backoff = BACKOFF_MIN_NS, last_late = -LATE_WINDOW_NS;
 static int64_t stat_jobs, stat_inline, stat_late;
 
 static int64_t monotonic_ns(void) {
@@ -141,15 +141,14 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
     if (helpers > 0 && n < (1LL << 31) && (helpers = ensure_helpers(helpers)) > 0 &&
         pthread_mutex_trylock(&job_lock) == 0) {
         stat_jobs++;
-        if (inline_left > 0) { /* helpers were late lately: this job on this thread alone */
-            inline_left--;
+        int64_t start = monotonic_ns();
+        if (start < inline_until) { /* helpers were late lately: this job on this thread alone */
             stat_inline++;
             pthread_mutex_unlock(&job_lock);
             for (int64_t i = 0; i < n; i++)
                 fn(ctx, i);
             return;
         }
-        int64_t start = monotonic_ns();
         uint32_t gen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE) + 1;
         job.fn = fn;
         job.ctx = ctx;
@@ -182,13 +181,13 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
             stat_late++;
             int64_t now = start + own + waited;
             /* late again right after backing off, or a second late helper soon after the first */
-            if (next_backoff > BACKOFF_MIN || now - last_late < LATE_WINDOW_NS) {
-                inline_left = next_backoff;
-                next_backoff = next_backoff < BACKOFF_MAX ? 2 * next_backoff : BACKOFF_MAX;
+            if (next_backoff > BACKOFF_MIN_NS || now - last_late < LATE_WINDOW_NS) {
+                inline_until = now + next_backoff;
+                next_backoff = next_backoff < BACKOFF_MAX_NS ? 2 * next_backoff : BACKOFF_MAX_NS;
             }
             last_late = now;
         } else {
-            next_backoff = BACKOFF_MIN;
+            next_backoff = BACKOFF_MIN_NS;
         }
         pthread_mutex_unlock(&job_lock);
         return;
