@@ -63,7 +63,8 @@ static uint32_t generation; /* futex word: bumped when a job is published */
 static uint32_t sleepers;   /* helpers asleep on it */
 static int started;         /* helpers created */
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
-/* under job_lock: jobs still to run inline, the next backoff, and counts for rudder_parallel_stats */
+/* under job_lock: until when jobs run inline, the next backoff, the last late helper, and counts
+ * for rudder_parallel_stats */
 static int64_t inline_until, next_backoff = BACKOFF_MIN_NS, last_late = -LATE_WINDOW_NS;
 static int64_t stat_jobs, stat_inline, stat_late;
 
