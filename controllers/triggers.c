@@ -4,10 +4,15 @@
  * JSON"; tool calls inside free text. The argument (docs/constraints.md, "Triggered
  * constraints"):
  *
- *   {"triggers": [{"begin": "<tool_call>", "json": {...schema...}, "end": "</tool_call>"},
- *                 {"begin": "Answer: ", "regex": "(yes|no)", "stop": true}]}
+ *   {"reasoning": {"end": "</think>", "budget": 200},      (optional: free thinking first)
+ *    "start": {"json": {...schema...}, "stop": true},       (optional: constrained from the start)
+ *    "triggers": [{"begin": "<tool_call>", "json": {...schema...}, "end": "</tool_call>"},
+ *                 {"begin": "Answer: ", "regex": "(yes|no)", "stop": true}],
+ *    "at_least_one": false}
  *
  * One of "json" (a schema), "regex" or "grammar" per trigger; "end" and "stop" are optional.
+ * The phases come in order: the thinking (until its end string; fast-forwarded once `budget`
+ * tokens are generated), the start constraint, then free text with triggers.
  * The constrained text is followed by the token layer (rudder_constraint.h) of its engine. */
 #include "rudder.h"
 #include "rudder_constraint.h"
@@ -19,6 +24,7 @@
 #define MAX_TRIGGERS 16u
 #define MAX_BEGIN 64u     /* bytes of a trigger string */
 #define MAX_END 256u      /* bytes of an end string */
+#define START MAX_TRIGGERS  /* triggers[START]: the "start" constraint (no begin string) */
 
 typedef struct {
     uint8_t begin[MAX_BEGIN];
@@ -32,16 +38,21 @@ typedef struct {
 } trigger;
 
 /* Where the output stands after a token. */
-enum { FREE, SEG, END, STOPPED };
+enum { FREE, SEG, END, STOPPED, THINK };
 typedef struct {
     uint8_t mode, t;      /* SEG, END: the trigger */
+    uint8_t fired;        /* some trigger has fired (at_least_one) */
     uint32_t start;       /* SEG: the index of the segment's first whole token */
-    uint32_t k;           /* END: bytes of the end string written; FREE: bytes in tail */
-    uint8_t tail[MAX_BEGIN];   /* FREE: the last bytes of free text (a trigger may span tokens) */
+    uint32_t k;           /* END: bytes of the end string written; FREE, THINK: bytes in tail */
+    uint8_t tail[MAX_BEGIN];   /* FREE, THINK: the last bytes of free text (a trigger may span tokens) */
 } rec;
 
-static trigger triggers[MAX_TRIGGERS];
+static trigger triggers[MAX_TRIGGERS + 1];
 static uint32_t n_triggers;
+static bool has_start, at_least_one;
+static uint8_t think_end[MAX_BEGIN];   /* the thinking's end string; 0 bytes: no thinking */
+static uint32_t n_think_end, think_budget = 0xffffffffu;
+static uint32_t *no_eos;               /* every token but EOS: free text that may not end yet */
 static rec *recs;                 /* recs[i]: after i generated tokens */
 static uint32_t n_recs, cap_recs;
 
@@ -59,12 +70,12 @@ static bool copy_string(const rudder_jv *v, uint8_t *dst, uint32_t cap, uint32_t
 }
 
 /* The constraint of one trigger: its engine and token layer. */
-static bool make_constraint(trigger *t, const rudder_jv *spec, uint32_t index) {
+static bool make_constraint(trigger *t, const rudder_jv *spec, const char *what) {
     static char err[400];
     const rudder_jv *json = rudder_jv_get(spec, "json"), *regex = rudder_jv_get(spec, "regex");
     const rudder_jv *grammar = rudder_jv_get(spec, "grammar");
     if (!!json + !!regex + !!grammar != 1) {
-        rudder_logf("triggers: trigger %u needs exactly one of \"json\", \"regex\", \"grammar\"\n", index);
+        rudder_logf("triggers: %s needs exactly one of \"json\", \"regex\", \"grammar\"\n", what);
         return false;
     }
     rudder_engine e;
@@ -75,21 +86,21 @@ static bool make_constraint(trigger *t, const rudder_jv *spec, uint32_t index) {
         rudder_js *js = rudder_js_compile(text, n, err, sizeof err);
         rudder_free(text);
         if (!js) {
-            rudder_logf("triggers: trigger %u: json: %s\n", index, err);
+            rudder_logf("triggers: %s: json: %s\n", what, err);
             return false;
         }
         e = rudder_js_engine(js);
     } else if (regex) {
         rudder_rx *rx = regex->type == RUDDER_JV_STRING ? rudder_rx_compile((const char *)regex->str, regex->n, err, sizeof err) : NULL;
         if (!rx) {
-            rudder_logf("triggers: trigger %u: regex: %s\n", index, regex->type == RUDDER_JV_STRING ? err : "must be a string");
+            rudder_logf("triggers: %s: regex: %s\n", what, regex->type == RUDDER_JV_STRING ? err : "must be a string");
             return false;
         }
         e = rudder_rx_engine(rx);
     } else {
         rudder_grammar *g = grammar->type == RUDDER_JV_STRING ? rudder_gm_new((const char *)grammar->str, grammar->n, err, sizeof err) : NULL;
         if (!g) {
-            rudder_logf("triggers: trigger %u: grammar: %s\n", index, grammar->type == RUDDER_JV_STRING ? err : "must be a string");
+            rudder_logf("triggers: %s: grammar: %s\n", what, grammar->type == RUDDER_JV_STRING ? err : "must be a string");
             return false;
         }
         e = rudder_gm_engine(g);
@@ -103,76 +114,163 @@ int controller_init(void) {
     return 0;
 }
 
+/* Does object `v` have only keys among `known` (NULL-terminated)? Else logs the first other. */
+static bool known_keys(const rudder_jv *v, const char *what, const char *const *known) {
+    for (uint32_t i = 0; i < v->n; i++) {
+        bool ok = false;
+        for (const char *const *k = known; *k && !ok; k++)
+            ok = v->keys[i].len == strlen(*k) && !memcmp(v->keys[i].ptr, *k, v->keys[i].len);
+        if (!ok) {
+            rudder_logf("triggers: unknown key \"%.*s\" in %s\n", (int)v->keys[i].len, (const char *)v->keys[i].ptr, what);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* A trigger (begin, constraint, end, stop) or the start constraint (no begin). */
+static bool read_segment(trigger *t, const rudder_jv *spec, const char *what) {
+    static const char *const keys[] = {"begin", "json", "regex", "grammar", "end", "stop", NULL};
+    if (spec->type != RUDDER_JV_OBJECT)
+        return refuse(t == &triggers[START] ? "\"start\" must be an object" : "each trigger must be an object"), false;
+    if (!known_keys(spec, what, t == &triggers[START] ? keys + 1 : keys))
+        return false;
+    if (t != &triggers[START] && (!copy_string(rudder_jv_get(spec, "begin"), t->begin, MAX_BEGIN, &t->n_begin) || t->n_begin == 0))
+        return refuse("each trigger needs \"begin\": a string of 1 to 64 bytes"), false;
+    const rudder_jv *end = rudder_jv_get(spec, "end"), *stop = rudder_jv_get(spec, "stop");
+    if (end && !copy_string(end, t->end, MAX_END, &t->n_end))
+        return refuse("\"end\" must be a string of at most 256 bytes"), false;
+    if (stop && stop->type != RUDDER_JV_TRUE && stop->type != RUDDER_JV_FALSE)
+        return refuse("\"stop\" must be true or false"), false;
+    t->stop = stop && stop->type == RUDDER_JV_TRUE;
+    if (t->n_end && !(t->end_tokens = rudder_tokenize(t->end, t->n_end, &t->n_end_tokens)))
+        return refuse("\"end\" is not valid UTF-8"), false;
+    if (!make_constraint(t, spec, what))
+        return false;
+    t->cx_start = 0xffffffffu;
+    return true;
+}
+
+static bool read_reasoning(const rudder_jv *v) {
+    static const char *const keys[] = {"end", "budget", NULL};
+    if (v->type != RUDDER_JV_OBJECT || !known_keys(v, "\"reasoning\"", keys))
+        return v->type == RUDDER_JV_OBJECT ? false : (refuse("\"reasoning\" must be an object"), false);
+    if (!copy_string(rudder_jv_get(v, "end"), think_end, MAX_BEGIN, &n_think_end) || n_think_end == 0)
+        return refuse("\"reasoning\" needs \"end\": a string of 1 to 64 bytes"), false;
+    const rudder_jv *budget = rudder_jv_get(v, "budget");
+    if (budget && budget->type != RUDDER_JV_NULL) {
+        if (budget->type != RUDDER_JV_NUMBER || !budget->integral || budget->num < 0 || budget->num > 1e9)
+            return refuse("\"budget\" must be a whole number of tokens (or null)"), false;
+        think_budget = (uint32_t)budget->num;
+    }
+    return true;
+}
+
 int controller_start(const char *arg, uint32_t len) {
-    static char err[160];
+    static const char *const keys[] = {"triggers", "start", "reasoning", "at_least_one", NULL};
+    static char err[160], what[32];
     rudder_jv *doc = rudder_jv_parse(arg, len, err, sizeof err);
     if (!doc)
         return rudder_logf("triggers: the argument is not valid JSON: %s\n", err), 1;
-    const rudder_jv *list = rudder_jv_get(doc, "triggers");
-    if (!list || list->type != RUDDER_JV_ARRAY || list->n == 0 || list->n > MAX_TRIGGERS)
-        return refuse("the argument must be {\"triggers\": [...]} with 1 to 16 triggers");
-    for (uint32_t i = 0; i < list->n; i++) {
-        const rudder_jv *spec = &list->items[i];
-        trigger *t = &triggers[n_triggers++];
-        if (spec->type != RUDDER_JV_OBJECT)
-            return refuse("each trigger must be an object");
-        if (!copy_string(rudder_jv_get(spec, "begin"), t->begin, MAX_BEGIN, &t->n_begin) || t->n_begin == 0)
-            return refuse("each trigger needs \"begin\": a string of 1 to 64 bytes");
-        const rudder_jv *end = rudder_jv_get(spec, "end"), *stop = rudder_jv_get(spec, "stop");
-        if (end && !copy_string(end, t->end, MAX_END, &t->n_end))
-            return refuse("\"end\" must be a string of at most 256 bytes");
-        if (stop && stop->type != RUDDER_JV_TRUE && stop->type != RUDDER_JV_FALSE)
-            return refuse("\"stop\" must be true or false");
-        t->stop = stop && stop->type == RUDDER_JV_TRUE;
-        if (t->n_end && !(t->end_tokens = rudder_tokenize(t->end, t->n_end, &t->n_end_tokens)))
-            return refuse("\"end\" is not valid UTF-8");
-        if (!make_constraint(t, spec, i))
+    if (doc->type != RUDDER_JV_OBJECT)
+        return refuse("the argument must be an object: {\"triggers\": [...]}");
+    if (!known_keys(doc, "the argument", keys))
+        return 1;
+    const rudder_jv *list = rudder_jv_get(doc, "triggers"), *start = rudder_jv_get(doc, "start");
+    const rudder_jv *reasoning = rudder_jv_get(doc, "reasoning"), *least = rudder_jv_get(doc, "at_least_one");
+    uint32_t n = list && list->type == RUDDER_JV_ARRAY ? list->n : 0;
+    if ((list && list->type != RUDDER_JV_ARRAY) || n > MAX_TRIGGERS || (n == 0 && !start && !reasoning))
+        return refuse("the argument must be {\"triggers\": [...]} with 1 to 16 triggers (or a \"start\" or \"reasoning\")");
+    if (least && least->type != RUDDER_JV_TRUE && least->type != RUDDER_JV_FALSE)
+        return refuse("\"at_least_one\" must be true or false");
+    at_least_one = least && least->type == RUDDER_JV_TRUE;
+    if (at_least_one && n == 0)
+        return refuse("\"at_least_one\" needs triggers");
+    if (reasoning && !read_reasoning(reasoning))
+        return 1;
+    if (start && !read_segment(&triggers[START], start, "\"start\""))
+        return 1;
+    has_start = start != NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        memcpy(what, "trigger ", 8);   /* "trigger <i>" (i < 16) */
+        what[8] = i < 10 ? (char)('0' + i) : '1';
+        what[9] = i < 10 ? 0 : (char)('0' + i - 10);
+        what[10] = 0;
+        if (!read_segment(&triggers[n_triggers++], &list->items[i], what))
             return 1;
-        t->cx_start = 0xffffffffu;
     }
     rudder_jv_free(doc);
+    if (has_start || at_least_one) {   /* EOS waits for what must come */
+        no_eos = rudder_mask_new();
+        rudder_mask_set_all(no_eos);
+        if (rudder_eos_token() != RUDDER_NO_TOKEN)
+            rudder_mask_clear(no_eos, rudder_eos_token());
+    }
     cap_recs = 64;
     recs = rudder_xalloc(cap_recs * sizeof(rec));
     memset(&recs[0], 0, sizeof(rec));
+    recs[0].mode = n_think_end ? THINK : has_start ? SEG : FREE;
+    recs[0].t = has_start && !n_think_end ? START : 0;
     n_recs = 1;
     return 0;
 }
 
-/* Free text goes on with one byte: the trigger whose begin it completes, or -1. */
-static int32_t free_byte(rec *r, uint8_t b) {
+/* Free text goes on with one byte (kept in r's tail: a string may span tokens). */
+static void tail_byte(rec *r, uint8_t b) {
     if (r->k == MAX_BEGIN) {
         memmove(r->tail, r->tail + 1, MAX_BEGIN - 1);
         r->k--;
     }
     r->tail[r->k++] = b;
-    for (uint32_t i = 0; i < n_triggers; i++) {
-        const trigger *t = &triggers[i];
-        if (r->k >= t->n_begin && !memcmp(r->tail + r->k - t->n_begin, t->begin, t->n_begin))
+}
+
+static bool tail_ends_with(const rec *r, const uint8_t *s, uint32_t n) {
+    return r->k >= n && !memcmp(r->tail + r->k - n, s, n);
+}
+
+/* Free text goes on with one byte: the trigger whose begin it completes, or -1. */
+static int32_t free_byte(rec *r, uint8_t b) {
+    tail_byte(r, b);
+    for (uint32_t i = 0; i < n_triggers; i++)
+        if (tail_ends_with(r, triggers[i].begin, triggers[i].n_begin))
             return (int32_t)i;
-    }
     return -1;
 }
 
 /* After the segment of trigger t: its end string, or the end of the output, or free text. */
-static rec after_segment(uint32_t t) {
+static rec after_segment(rec from) {
     rec r = {0};
-    r.mode = triggers[t].n_end ? END : triggers[t].stop ? STOPPED : FREE;
-    r.t = (uint8_t)t;
+    r.mode = triggers[from.t].n_end ? END : triggers[from.t].stop ? STOPPED : FREE;
+    r.t = from.t;
+    r.fired = from.fired;
     return r;
 }
 
-/* Bytes of free text or of an end string; SEG when a trigger fires (the bytes after it begin
- * the segment: *rest, *n_rest). */
+/* Bytes of thinking, free text or an end string; SEG when a segment begins (the bytes after
+ * its trigger begin it: *rest, *n_rest). */
 static rec text_bytes(rec r, const uint8_t *b, uint32_t n, uint32_t next_token, const uint8_t **rest, uint32_t *n_rest) {
     *n_rest = 0;
     for (uint32_t j = 0; j < n; j++) {
+        if (r.mode == THINK) {
+            tail_byte(&r, b[j]);
+            if (!tail_ends_with(&r, think_end, n_think_end))
+                continue;
+            if (has_start) {
+                r = (rec){.mode = SEG, .t = START, .start = next_token, .fired = r.fired};
+                *rest = b + j + 1;
+                *n_rest = n - j - 1;
+                return r;
+            }
+            r = (rec){.mode = FREE, .fired = r.fired};
+            continue;
+        }
         if (r.mode == END) {
             const trigger *t = &triggers[r.t];
             if (b[j] != t->end[r.k]) {   /* (the model left the end string: free text) */
-                r = (rec){.mode = FREE};
+                r = (rec){.mode = FREE, .fired = r.fired};
                 j--;
             } else if (++r.k == t->n_end) {
-                r = t->stop ? (rec){.mode = STOPPED} : (rec){.mode = FREE};
+                r = (rec){.mode = t->stop ? STOPPED : FREE, .fired = r.fired};
             }
             continue;
         }
@@ -180,7 +278,7 @@ static rec text_bytes(rec r, const uint8_t *b, uint32_t n, uint32_t next_token, 
             break;
         int32_t fired = free_byte(&r, b[j]);
         if (fired >= 0) {
-            r = (rec){.mode = SEG, .t = (uint8_t)fired, .start = next_token};
+            r = (rec){.mode = SEG, .t = (uint8_t)fired, .start = next_token, .fired = 1};
             *rest = b + j + 1;
             *n_rest = n - j - 1;
             return r;
@@ -189,14 +287,19 @@ static rec text_bytes(rec r, const uint8_t *b, uint32_t n, uint32_t next_token, 
     return r;
 }
 
-static rec text_bytes(rec r, const uint8_t *b, uint32_t n, uint32_t next_token, const uint8_t **rest, uint32_t *n_rest);
-
 /* The layer of segment r, back to after its first `k` tokens. A trigger's layer serves one
  * segment at a time: after a backtrack into an earlier segment of the same trigger it begins
  * that one again (from the trigger's token) and follows its tokens. */
 static bool segment_at(const uint32_t *gen, rec r, uint32_t k) {
     trigger *t = &triggers[r.t];
-    if (t->cx_start != r.start) {
+    if (t->cx_start != r.start && r.start == 0) {   /* the start constraint, from the first byte */
+        if (!rudder_cx_begin(t->cx, NULL, 0))
+            return false;
+        t->cx_start = 0;
+        for (uint32_t j = 0; j < k; j++)
+            if (!rudder_cx_push(t->cx, gen[j]))
+                return false;
+    } else if (t->cx_start != r.start) {
         uint32_t len, n_rest;
         const uint8_t *b = rudder_token_bytes(gen[r.start - 1], &len), *rest = NULL;
         rec fired = text_bytes(recs[r.start - 1], b, len, r.start, &rest, &n_rest);
@@ -258,7 +361,7 @@ void controller_step(const rudder_step *step, rudder_out *out) {
                 rudder_out_fail(out, "triggers: a generated token does not continue the constrained text");
                 return;
             }
-            r = after_segment(r.t);   /* complete before this token: its bytes come after */
+            r = after_segment(r);   /* complete before this token: its bytes come after */
         }
         if (r.mode == STOPPED || !b || !len) {
             rudder_out_fail(out, "triggers: a token after the end of the output");
@@ -294,8 +397,25 @@ void controller_step(const rudder_step *step, rudder_out *out) {
     save(n_gen, r);
     switch (r.mode) {
     case FREE:
-        rudder_out_sample(out, NULL);
+        rudder_out_sample(out, at_least_one && !r.fired ? no_eos : NULL);
         return;
+    case THINK: {
+        if (n_gen < think_budget) {
+            rudder_out_sample(out, has_start || at_least_one ? no_eos : NULL);
+            return;
+        }
+        /* the budget is spent: the rest of the end string (some of it may be written) */
+        uint32_t k = n_think_end - 1, n;
+        while (k && !tail_ends_with(&r, think_end, k))
+            k--;
+        uint32_t *toks = rudder_tokenize(think_end + k, n_think_end - k, &n);
+        if (!toks || !n)
+            rudder_out_fail(out, "triggers: cannot write the reasoning's end string");
+        else
+            rudder_out_ff(out, toks, n);
+        rudder_free(toks);
+        return;
+    }
     case STOPPED:
         return;
     case END: {   /* the rest of the end string */
@@ -324,7 +444,7 @@ void controller_step(const rudder_step *step, rudder_out *out) {
             rudder_cx_answer(t->cx, in, out);   /* (fails: nothing continues) */
             return;
         }
-        r = after_segment(r.t);   /* complete, nothing can follow */
+        r = after_segment(r);   /* complete, nothing can follow */
         save(n_gen, r);
         if (r.mode == END) {
             rudder_out_ff(out, t->end_tokens, t->n_end_tokens);

@@ -180,6 +180,64 @@ def test_backtrack_into_an_earlier_segment(rt, module, tok):
     assert np.array_equal(b.mask, want) and len(ids) > 5
 
 
+def no_eos_mask(b, tok) -> bool:
+    """A mask that allows every token but EOS."""
+    bits = np.unpackbits(b.mask.view(np.uint8), bitorder="little")[:tok.vocab_size]
+    return not bits[tok.eos_token_id] and int(bits.sum()) == tok.vocab_size - 1
+
+
+def test_reasoning_then_a_start_constraint(rt, module, tok):
+    """Free thinking until the end string, then the start constraint from the byte after it; while
+    thinking, EOS is refused (an answer must come)."""
+    arg = {"reasoning": {"end": "</think>"}, "start": {"json": POINT, "stop": True}}
+    w = Walk(rt, module, tok, arg, '<think>x is 1, and y is 2</think>{"x":1,"y":2}').run()
+    assert w.kind_at(b"and y is") == {"mask"}    # thinking: every token but EOS
+    assert w.kind_at(b'"y":') <= {"list", "ff"} and w.stopped
+    ctl = rt.start(module, json.dumps(arg))
+    [b] = ctl.mid_process(0, 0, [tok.bos_token_id])
+    assert no_eos_mask(b, tok)
+    # a triggers trigger in the thinking does not fire: only the end string counts
+    arg = {"reasoning": {"end": "</think>"}, "triggers": [{"begin": "<", "regex": "[0-9]+", "end": ">"}]}
+    w = Walk(rt, module, tok, arg, "<think>a<b</think> then <12> and").run()
+    assert w.kind_at(b"a<b") == {"free"} and w.kind_at(b"12") == {"mask"} and w.kind_at(b" and") == {"free"}
+
+
+def test_the_reasoning_budget_forces_the_end_string(rt, module, tok):
+    """Once `budget` tokens are generated, the rest of the end string is fast-forwarded (also when
+    part of it is written), and the constraint follows."""
+    budget = 4
+    arg = {"reasoning": {"end": "</think>", "budget": budget}, "start": {"regex": "[0-9]+!", "stop": True}}
+    head = "".join(tok.token_bytes[t].decode() for t in tok.encode("hmm, let me think a lot")[:budget])
+    w = Walk(rt, module, tok, arg, head + "</think>42!").run()
+    assert w.kind_at(b"</think>") == {"ff"} and w.stopped
+    assert sum(len(got) for kind, got in w.kinds[:budget]) == len(head.encode())
+    # "ab</" then the budget: only "think>" is forced (on the byte-level tokenizer, one byte a token)
+    ids = tok.encode("ab</th")[:budget]
+    part = b"".join(tok.token_bytes[t] for t in ids).decode()
+    written = next(k for k in range(len("</think>"), -1, -1) if part.endswith("</think>"[:k]))
+    assert written >= 1 or len(tok.token_bytes) > 512
+    w = Walk(rt, module, tok, arg, part + "</think>"[written:] + "7!").run()
+    assert w.kinds[budget] == ("ff", "</think>"[written:].encode()) and w.stopped
+
+
+def test_at_least_one_refuses_eos_until_a_trigger_fired(rt, module, tok):
+    arg = {"triggers": [{"begin": "<", "regex": "[0-9]+", "end": ">"}], "at_least_one": True}
+    ctl = rt.start(module, json.dumps(arg))
+    [b] = ctl.mid_process(0, 0, [tok.bos_token_id])
+    assert no_eos_mask(b, tok)
+    [b] = ctl.mid_process(0, 0, tok.encode("see <12>"))
+    assert b.mask is None   # a trigger fired: free again, EOS allowed
+
+
+def test_a_start_constraint_then_free_text_with_triggers(rt, module, tok):
+    arg = {"start": {"regex": "[0-9]+", "end": ":"}, "triggers": [{"begin": "<", "regex": "[a-z]+", "end": ">"}]}
+    w = Walk(rt, module, tok, arg, "42: then <ab> ok").run()
+    assert w.kind_at(b"42") == {"mask"} and w.kind_at(b" then") == {"free"} and w.kind_at(b"ab") == {"mask"}
+    ctl = rt.start(module, json.dumps(arg))
+    [b] = ctl.mid_process(0, 0, [tok.bos_token_id])
+    assert b.mask is not None and not allowed(b.mask, tok.eos_token_id)
+
+
 @pytest.mark.parametrize("arg,message", [
     ("[", "triggers: the argument is not valid JSON"),
     ('{"triggers": []}', "with 1 to 16 triggers"),
@@ -189,6 +247,13 @@ def test_backtrack_into_an_earlier_segment(rt, module, tok):
     ('{"triggers": [{"begin": "x", "json": {"type": "strin"}}]}', 'trigger 0: json: unknown type in "type"'),
     ('{"triggers": [{"begin": "x", "grammar": "start: y"}]}', "trigger 0: grammar: "),
     ('{"triggers": [{"begin": "x", "regex": "a", "stop": 1}]}', '"stop" must be true or false'),
+    ('{"triggers": [{"begin": "x", "regex": "a", "stopp": true}]}', 'unknown key "stopp" in trigger 0'),
+    ('{"triggers": [{"begin": "x", "regex": "a"}], "at_least": true}', 'unknown key "at_least" in the argument'),
+    ('{"start": {"begin": "x", "regex": "a"}}', 'unknown key "begin" in "start"'),
+    ('{"start": {"regex": "(a"}}', '"start": regex: pattern 0'),
+    ('{"reasoning": {"end": ""}}', '"reasoning" needs "end"'),
+    ('{"reasoning": {"end": "</think>", "budget": -1}}', '"budget" must be a whole number'),
+    ('{"reasoning": {"end": "</think>", "budget": 2}, "at_least_one": true}', '"at_least_one" needs triggers'),
 ])
 def test_bad_arguments_fail_at_start(rt, module, arg, message):
     with pytest.raises(ControllerError) as info:
