@@ -52,7 +52,7 @@ static uint32_t n_triggers;
 static bool has_start, at_least_one;
 static uint8_t think_end[MAX_BEGIN];   /* the thinking's end string; 0 bytes: no thinking */
 static uint32_t n_think_end, think_budget = 0xffffffffu;
-static uint32_t *no_eos;               /* every token but EOS: free text that may not end yet */
+static uint32_t *no_eos;               /* every text token (no EOS, no special token): text that may not end yet */
 static rec *recs;                 /* recs[i]: after i generated tokens */
 static uint32_t n_recs, cap_recs;
 
@@ -200,11 +200,11 @@ int controller_start(const char *arg, uint32_t len) {
             return 1;
     }
     rudder_jv_free(doc);
-    if (has_start || at_least_one) {   /* EOS waits for what must come */
+    if (has_start || at_least_one) {   /* the end waits for what must come: text tokens only */
         no_eos = rudder_mask_new();
-        rudder_mask_set_all(no_eos);
-        if (rudder_eos_token() != RUDDER_NO_TOKEN)
-            rudder_mask_clear(no_eos, rudder_eos_token());
+        for (uint32_t t = 0, n_vocab = rudder_vocab_size(), len; t < n_vocab; t++)
+            if (rudder_token_bytes(t, &len) && len)
+                rudder_mask_set(no_eos, t);
     }
     cap_recs = 64;
     recs = rudder_xalloc(cap_recs * sizeof(rec));
@@ -363,9 +363,13 @@ void controller_step(const rudder_step *step, rudder_out *out) {
             }
             r = after_segment(r);   /* complete before this token: its bytes come after */
         }
-        if (r.mode == STOPPED || !b || !len) {
+        if (r.mode == STOPPED) {
             rudder_out_fail(out, "triggers: a token after the end of the output");
             return;
+        }
+        if (!b || !len) {   /* a token without text (a control token) adds nothing to free text */
+            save(i + 1, r);
+            continue;
         }
         const uint8_t *rest;
         uint32_t n_rest;

@@ -379,7 +379,7 @@ _ASKING = {"functions": [{"name": "f"}], "function_call": "auto", "audio": {"voi
            "chat_template": "x", "chat_template_kwargs": {"a": 1}, "documents": [{"a": "b"}], "priority": 1,
            "truncate_prompt_tokens": 5, "bad_words": ["x"], "allowed_token_ids": [5],
            "return_tokens_as_token_ids": True, "suffix": "x", "vllm_xargs": {"a": 1}, "kv_transfer_params": {},
-           "structural_tag": "x", "return_hidden_states": True, "lora_path": "x", "verbosity": "low"}
+           "return_hidden_states": True, "lora_path": "x", "verbosity": "low"}
 
 
 def test_every_known_unsupported_field_is_refused_by_name(server):

@@ -181,9 +181,11 @@ def test_backtrack_into_an_earlier_segment(rt, module, tok):
 
 
 def no_eos_mask(b, tok) -> bool:
-    """A mask that allows every token but EOS."""
+    """A mask that allows every token with text: no EOS, no other special token (they could end
+    the output too)."""
     bits = np.unpackbits(b.mask.view(np.uint8), bitorder="little")[:tok.vocab_size]
-    return not bits[tok.eos_token_id] and int(bits.sum()) == tok.vocab_size - 1
+    text = np.array([t not in tok.special_token_ids and len(tok.token_bytes[t]) > 0 for t in range(tok.vocab_size)])
+    return bool(np.array_equal(bits.astype(bool), text)) and not bits[tok.eos_token_id]
 
 
 def test_reasoning_then_a_start_constraint(rt, module, tok):

@@ -50,6 +50,14 @@ JSON_SCHEMA = typer.Option(None, "--json-schema", help="The output is JSON valid
 REGEX = typer.Option(None, "--regex", help="The whole output matches this regular expression (TEXT or @FILE).")
 CHOICE = typer.Option([], "--choice", help="The output is exactly one of these strings (repeatable).")
 GRAMMAR = typer.Option(None, "--grammar", help="The output is a sentence of this Lark or GBNF grammar (TEXT or @FILE).")
+STRUCTURAL_TAG = typer.Option(None, "--structural-tag", help="Free text with tagged, constrained regions: a "
+                              "structural tag as vLLM/XGrammar take it (TEXT or @FILE; docs/constraints.md).")
+JSON_UNDECLARED = typer.Option(None, "--json-undeclared", help="forbid (the default: objects generate only the "
+                               "properties they declare) or allow (the JSON Schema specification's reading).")
+REASONING = typer.Option(False, "--reasoning", help="The output thinks first, up to </think>; the constraint applies "
+                         "after it (the text is printed whole, thinking included).")
+THINKING_BUDGET = typer.Option(None, "--thinking-budget", min=0, help="With --reasoning: the thinking's most tokens; "
+                               "then </think> is forced.")
 PRESENCE = typer.Option(0.0, "--presence-penalty", min=-2.0, max=2.0, help="Penalise tokens already in the output.")
 FREQUENCY = typer.Option(0.0, "--frequency-penalty", min=-2.0, max=2.0,
                          help="Penalise tokens by how often they are in the output.")
@@ -229,7 +237,9 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop, speculative=None,
                           **(structured or {}))
 
 
-def _structured(json_schema: str | None, regex: str | None, choice: list[str], grammar: str | None) -> dict:
+def _structured(json_schema: str | None, regex: str | None, choice: list[str], grammar: str | None,
+                structural_tag: str | None = None, json_undeclared: str | None = None, reasoning: bool = False,
+                thinking_budget: int | None = None) -> dict:
     out = {}
     if json_schema is not None:
         out["json_schema"] = _read_arg(json_schema, "--json-schema")
@@ -239,8 +249,18 @@ def _structured(json_schema: str | None, regex: str | None, choice: list[str], g
         out["choice"] = list(choice)
     if grammar is not None:
         out["grammar"] = _read_arg(grammar, "--grammar")
+    if structural_tag is not None:
+        out["structural_tag"] = _read_arg(structural_tag, "--structural-tag")
     if len(out) > 1:
-        raise ValueError(f"give one of --json-schema, --regex, --choice and --grammar, not {len(out)}")
+        raise ValueError(f"give one of --json-schema, --regex, --choice, --grammar and --structural-tag, not {len(out)}")
+    if json_undeclared is not None:
+        if "json_schema" not in out:
+            raise ValueError("--json-undeclared goes with --json-schema")
+        out["json_undeclared"] = json_undeclared
+    if thinking_budget is not None and not reasoning:
+        raise ValueError("--thinking-budget goes with --reasoning")
+    if reasoning:
+        out["reasoning"] = {"budget": thinking_budget}
     return out
 
 
@@ -283,12 +303,15 @@ def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKE
              model: str = MODEL, device: str = DEVICE, dtype: str = DTYPE, pipeline_stages: str = PIPELINE,
              speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL,
              json_schema: Optional[str] = JSON_SCHEMA, regex: Optional[str] = REGEX, choice: list[str] = CHOICE,
-             grammar: Optional[str] = GRAMMAR, presence_penalty: float = PRESENCE,
+             grammar: Optional[str] = GRAMMAR, structural_tag: Optional[str] = STRUCTURAL_TAG,
+             json_undeclared: Optional[str] = JSON_UNDECLARED, reasoning: bool = REASONING,
+             thinking_budget: Optional[int] = THINKING_BUDGET, presence_penalty: float = PRESENCE,
              frequency_penalty: float = FREQUENCY) -> None:
-    """Generate text for PROMPT, streamed to standard output (--json-schema, --regex, --choice or
-    --grammar constrain it)."""
+    """Generate text for PROMPT, streamed to standard output (--json-schema, --regex, --choice,
+    --grammar or --structural-tag constrain it)."""
     try:
-        structured = _structured(json_schema, regex, choice, grammar)
+        structured = _structured(json_schema, regex, choice, grammar, structural_tag, json_undeclared, reasoning,
+                                 thinking_budget)
     except ValueError as e:
         _fail(str(e))
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
@@ -364,6 +387,13 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
               None, "--pipeline-micro-batches", min=1,
               help="Steps in flight at once over the pipeline, each over its own share of the running "
                    "requests (default: one per stage)."),
+          reasoning_parser: Optional[str] = typer.Option(
+              None, "--reasoning-parser",
+              help="The model thinks first: deepseek_r1, qwen3 or think (all <think>...</think>). Chat replies "
+                   "carry the thinking in reasoning_content; constraints apply after it; requests may set "
+                   "thinking_token_budget."),
+          reasoning_start: str = typer.Option("<think>", "--reasoning-start", help="The thinking's start marker."),
+          reasoning_end: str = typer.Option("</think>", "--reasoning-end", help="The thinking's end marker."),
           model_threads: str = typer.Option(
               "shared", "--model-threads",
               help="Threads for the model's native kernels: shared (the default: one fewer than the cores, "
@@ -394,7 +424,8 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               controller_limits=_read_limits(list(limit)) or {}, api_keys=keys,
                               public_metrics=public_metrics, state_dir=state_dir,
                               tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
-                              max_modules=max_modules,
+                              max_modules=max_modules, reasoning=_reasoning(reasoning_parser, reasoning_start,
+                                                                            reasoning_end),
                               engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
                                               "max_seqs": max_seqs, "device": _device(device), "dtype": _dtype(dtype),
                                               "pipeline_stages": _stages(pipeline_stages),
@@ -415,6 +446,18 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
         uvicorn.run(create_app(config, llm), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         llm.close()
+
+
+def _reasoning(parser: str | None, start: str, end: str):
+    from .reasoning import PARSERS, Reasoning
+
+    if parser is None:
+        if (start, end) != ("<think>", "</think>"):
+            raise ValueError("--reasoning-start and --reasoning-end go with --reasoning-parser")
+        return None
+    if parser not in PARSERS:
+        raise ValueError(f"--reasoning-parser is one of {', '.join(PARSERS)}, not {parser!r}")
+    return Reasoning(start, end)
 
 
 @app.command()

@@ -17,8 +17,10 @@ from typing import Iterable, Iterator
 import torch
 
 from .engine import Completion, Controller, Delta, Engine, EngineConfig, SamplingParams
+from .engine.output import HeldStream
 from .loading import load_model, load_tokenizer
 from .precision import resolve
+from .reasoning import Reasoning, ReasoningSplitter, split
 from .structured import from_params
 
 __all__ = ["LLM"]
@@ -125,14 +127,18 @@ class LLM:
 
     def steer(self, params: SamplingParams | None, controller, controller_arg):
         """(params for the engine, controller, argument): a structured-output field of `params`
-        becomes its built-in controller."""
+        becomes its built-in controller (after a reasoning phase, if params ask for one)."""
         params = params or SamplingParams()
         constraint = from_params(params)
+        if params.reasoning not in (None, False) and controller is not None:
+            raise ValueError("reasoning works with the built-in structured output (json_schema, regex, choice, "
+                             "grammar, structural_tag), not with a controller")
         if constraint is not None:
             if controller is not None:
                 raise ValueError(f"{constraint.source} and controller: give one of them")
             controller, controller_arg = constraint.controller, constraint.arg
-            params = dataclasses.replace(params, json_schema=None, regex=None, choice=None, grammar=None)
+        params = dataclasses.replace(params, json_schema=None, regex=None, choice=None, grammar=None,
+                                     structural_tag=None, json_undeclared=None, reasoning=None)
         return self.check_params(params.validate()), controller, controller_arg
 
     def prompt_text(self, prompt: str | list[dict] | list[int], chat: bool) -> str | list[int]:
@@ -163,6 +169,7 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if not len(params_list) == len(prompts):
             raise ValueError("prompts and params must have the same length")
+        thinking = [Reasoning.of(p.reasoning) for p in params_list]
         if controllers is not None and controller is not None:
             raise ValueError("pass either controller or controllers, not both")
         steered = [self.steer(p, controller, controller_arg) for p in params_list]
@@ -201,8 +208,12 @@ class LLM:
                 self.engine.cancel(r.request_id)
             raise
         results = []
-        for r in requests:
+        for r, reasoning in zip(requests, thinking):
             branches = self.engine.completions(r)
+            if reasoning is not None:
+                for b in branches:
+                    b.reasoning, answer = split(b.text, reasoning)
+                    b.text = answer or ""
             branches[0].branches = branches
             results.append(branches[0])
             self.engine.release(r)
@@ -215,10 +226,12 @@ class LLM:
         iterator cancels the request. `controller`: a ready controller, a built-in name, a .wasm
         path or wasm bytes (with `controller_arg`); or structured output in `params`. `trace`:
         each branch's last delta carries the Branch records applied to it (see `generate`)."""
+        reasoning = Reasoning.of((params or SamplingParams()).reasoning)
         params, controller, controller_arg = self.steer(params, controller, controller_arg)
         if controller is not None and not hasattr(controller, "mid_process"):
             controller = self.start_controller(controller, controller_arg, controller_limits, params.seed)
         req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller, trace=trace)
+        split_off = _ThinkingStream(reasoning) if reasoning is not None else None
         try:
             while not req.finished:
                 for delta in self.engine.step():
@@ -227,7 +240,7 @@ class LLM:
                             delta.speculative = req.spec_stats.as_dict(sum(s.num_output for s in req.seqs))
                         if delta.finished and req.trace is not None:
                             delta.trace = [t for t in req.trace if t.branch == delta.branch]
-                        yield delta
+                        yield delta if split_off is None else split_off.push(delta)
         finally:
             if not req.finished:
                 self.engine.cancel(req.request_id)
@@ -244,3 +257,23 @@ class LLM:
             raise ValueError("messages: a list of {'role': ..., 'content': ...} dicts (or a list of such lists)")
         return self.generate([messages], params, controller=controller, controller_arg=controller_arg,
                              controller_limits=controller_limits)[0]
+
+
+class _ThinkingStream:
+    """A reasoning request's deltas with the thinking split off (`delta.reasoning`): text is held
+    until the one token the `triggers` controller may take back at the end marker has passed."""
+
+    def __init__(self, reasoning: Reasoning):
+        self.reasoning = reasoning
+        self.branches: dict[int, tuple[HeldStream, ReasoningSplitter]] = {}
+
+    def push(self, delta: Delta) -> Delta:
+        held, splitter = self.branches.setdefault(delta.branch, (HeldStream(1), ReasoningSplitter(self.reasoning)))
+        piece = held.push(delta)
+        thinking, answer = splitter.feed(piece.text)
+        if delta.finished:
+            more_thinking, more_answer = splitter.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        logprobs = [lp for lp in piece.logprobs if lp is not None]
+        return dataclasses.replace(delta, text=answer, reasoning=thinking, token_ids=piece.token_ids,
+                                   logprobs=logprobs, backtrack_chars=0, backtrack_tokens=0)

@@ -12,6 +12,11 @@ server, which maps every dialect clients send (OpenAI `response_format`, vLLM
 | a regex                    | `regex`    | the pattern                                         |
 | one of several strings     | `choices`  | a JSON array of the strings                         |
 | a grammar (Lark or GBNF)   | `grammar`  | Lark text (GBNF is translated: rudder/gbnf.py)      |
+| a structural tag           | `triggers` or `grammar` | structural_tag.py                      |
+| any of these after thinking | `triggers` | the constraint as its `start`, after `reasoning`   |
+
+JSON Schemas generate only the properties they declare unless they allow more
+(`undeclared="allow"` is the specification's reading; docs/json-schema.md).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from typing import Any
 from .gbnf import GBNFError, is_gbnf, to_lark
 
 __all__ = ["Constraint", "ConstraintError", "any_json_object", "choice", "from_params", "grammar", "json_schema",
-           "regex"]
+           "regex", "with_reasoning"]
+
+UNDECLARED = ("forbid", "allow")
 
 # Whitespace patterns vLLM clients send that our `json` controller can honour exactly.
 _COMPACT = {"", "()", "(?:)"}
@@ -45,6 +52,7 @@ class Constraint:
     controller: str
     arg: str
     source: str = ""
+    max_backtrack: int = 0  # tokens the controller may take back (`triggers`: one, at a trigger)
 
 
 def _load_schema(schema: Any, source: str) -> Any:
@@ -74,18 +82,31 @@ def _no_additional_properties(node: Any) -> Any:
 
 
 def json_schema(schema: Any, *, source: str = "json_schema", whitespace: str | None = None,
-                no_additional_properties: bool = False) -> Constraint:
+                no_additional_properties: bool = False, undeclared: str | None = None,
+                strict: bool = False) -> Constraint:
     """The `json` controller for a schema (a dict, a bool or JSON text). `whitespace`: None (the
-    controller's default, compact), "compact" or "flexible"."""
+    controller's default, compact), "compact" or "flexible". `undeclared`: None (the default,
+    "forbid": an object that names its properties generates only those), or "allow" (the
+    specification's reading: undeclared properties may come too). `strict`: the declared shape
+    exactly; what the engine cannot honour whole is refused by name."""
     schema = _load_schema(schema, source)
     if no_additional_properties:
         schema = _no_additional_properties(schema)
-    if whitespace is not None:
+    if undeclared is not None and undeclared not in UNDECLARED:
+        raise ConstraintError(f"{source}: undeclared properties are \"forbid\" or \"allow\", not {undeclared!r}",
+                              source)
+    if strict and undeclared == "allow":
+        raise ConstraintError(f"{source}: a strict schema generates only declared properties: "
+                              "undeclared=\"allow\" contradicts it", source)
+    options = {"x-rudder-whitespace": whitespace, "x-rudder-undeclared": undeclared,
+               "x-rudder-strict": True if strict else None}
+    options = {k: v for k, v in options.items() if v is not None}
+    if options:
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):
-            raise ConstraintError(f"{source}: whitespace options need an object schema", source)
-        schema = {**schema, "x-rudder-whitespace": whitespace}
+            raise ConstraintError(f"{source}: options need an object schema (the schema is false)", source)
+        schema = {**schema, **options}
     return Constraint("json", json.dumps(schema, ensure_ascii=False), source)
 
 
@@ -134,13 +155,75 @@ def grammar(text: Any, *, source: str = "grammar") -> Constraint:
 
 
 def from_params(params) -> Constraint | None:
-    """The constraint a SamplingParams asks for (json_schema, regex, choice or grammar), if any."""
+    """The constraint a SamplingParams asks for (json_schema, regex, choice, grammar or
+    structural_tag), if any, after its thinking when it asks for reasoning."""
+    from .reasoning import Reasoning
+
     fields = params.constraint_fields()
-    if not fields:
-        return None
     if len(fields) > 1:
-        raise ConstraintError(f"give one of json_schema, regex, choice and grammar, not {' and '.join(fields)}",
-                              fields[1])
-    name = fields[0]
-    value = getattr(params, name)
-    return {"json_schema": json_schema, "regex": regex, "choice": choice, "grammar": grammar}[name](value, source=name)
+        raise ConstraintError(f"give one of json_schema, regex, choice, grammar and structural_tag, not "
+                              f"{' and '.join(fields)}", fields[1])
+    if params.json_undeclared is not None and fields != ["json_schema"]:
+        raise ConstraintError("json_undeclared applies to json_schema", "json_undeclared")
+    constraint = None
+    if fields:
+        name = fields[0]
+        value = getattr(params, name)
+        if name == "json_schema":
+            constraint = json_schema(value, source=name, undeclared=params.json_undeclared)
+        elif name == "structural_tag":
+            from .structural_tag import structural_tag
+
+            constraint = structural_tag(value, source=name)
+        else:
+            constraint = {"regex": regex, "choice": choice, "grammar": grammar}[name](value, source=name)
+    try:
+        reasoning = Reasoning.of(params.reasoning)
+    except ValueError as e:
+        raise ConstraintError(str(e), "reasoning") from None
+    if reasoning is not None:
+        return with_reasoning(constraint, reasoning)
+    return constraint
+
+
+def segment_of(c: Constraint) -> dict:
+    """A built-in constraint as a `triggers` segment (its `json`, `regex` or `grammar`)."""
+    if c.controller == "json":
+        return {"json": json.loads(c.arg)}
+    if c.controller in ("regex", "grammar"):
+        return {c.controller: c.arg}
+    if c.controller == "choices":
+        return {"grammar": "start: " + " | ".join(lark_literal(o) for o in json.loads(c.arg))}
+    raise ConstraintError(f"{c.source}: this constraint cannot follow a reasoning phase", c.source)
+
+
+def with_reasoning(c: Constraint | None, reasoning) -> Constraint | None:
+    """Free thinking until `reasoning.end`, then `c` (if any) until the output ends. The end
+    marker is fast-forwarded once `reasoning.budget` tokens are generated. None: nothing to
+    constrain (no constraint and no budget: the thinking is only split off the text)."""
+    arg: dict = {"reasoning": {"end": reasoning.end, "budget": reasoning.budget}}
+    if c is not None and c.controller == "triggers":   # a structural tag: its phases after the thinking
+        inner = json.loads(c.arg)
+        if "reasoning" in inner:
+            raise ConstraintError(f"{c.source}: already has a reasoning phase", c.source)
+        arg.update(inner)
+    elif c is not None:
+        arg["start"] = {**segment_of(c), "stop": True}
+    elif reasoning.budget is None:
+        return None
+    return Constraint("triggers", json.dumps(arg, ensure_ascii=False), c.source if c else "reasoning", max_backtrack=1)
+
+
+def lark_literal(text: str) -> str:
+    """`text` as a Lark string literal (docs/grammar.md)."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'

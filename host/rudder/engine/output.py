@@ -30,6 +30,7 @@ class Delta:
     backtrack_tokens: int = 0
     speculative: dict | None = None  # on a finished delta of a speculative stream (LLM.stream): its stats
     trace: list | None = None  # on a finished delta of a traced stream: the Branch records applied (engine/trace.py)
+    reasoning: str = ""  # a reasoning request's thinking in this delta (LLM.stream; `text` is the answer)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Completion:
     branches: list["Completion"] = field(default_factory=list, repr=False)  # all forks (LLM.generate)
     speculative: dict | None = None  # speculative decoding stats of the request (engine/speculative.py)
     trace: list | None = None  # the Branch records applied to this sequence (engine/trace.py), when asked for
+    reasoning: str | None = None  # a reasoning request's thinking (SamplingParams.reasoning); `text` is the answer
 
 
 class TextOutput:

@@ -42,6 +42,11 @@ class SamplingParams:
     regex: str | None = None               # the whole output matches it: `regex`
     choice: list[str] | None = None        # the output is one of these strings: `choices`
     grammar: str | None = None             # a Lark (or GBNF: `::=`) grammar: `grammar`
+    structural_tag: dict | str | None = None  # free text with tagged, constrained regions (structural_tag.py)
+    json_undeclared: str | None = None     # "allow": undeclared properties too (the spec's reading; default "forbid")
+    # Thinking before the answer (reasoning.py): True, {"start", "end", "budget"} or a Reasoning;
+    # the constraint applies after the thinking, which comes back apart (Completion.reasoning).
+    reasoning: object = None
 
     def validate(self) -> "SamplingParams":
         if self.max_tokens < 1:
@@ -81,7 +86,8 @@ class SamplingParams:
             self.logit_bias = bias
         if self.speculative is not None and (self.penalized or self.logit_bias):
             raise ValueError("penalties and logit_bias are not available with speculative decoding")
-        constraint = self.constraint_fields()
+        constraint = self.constraint_fields() + [n for n in ("json_undeclared", "reasoning")
+                                                 if getattr(self, n) not in (None, False)]
         if constraint:
             raise ValueError(f"{', '.join(constraint)}: structured output is turned into a controller by LLM "
                              "(LLM.generate/stream/chat); Engine.add_request takes the controller itself")
@@ -99,7 +105,7 @@ class SamplingParams:
 
     def constraint_fields(self) -> list[str]:
         """The structured-output fields that are set."""
-        return [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        return [n for n in ("json_schema", "regex", "choice", "grammar", "structural_tag") if getattr(self, n) is not None]
 
 
 class SeqStatus(Enum):

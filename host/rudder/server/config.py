@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import rudder_home
+from ..reasoning import Reasoning
 from .auth import KeyRing
 
 
@@ -28,6 +29,7 @@ class ServerConfig:
     state_dir: str | Path | None = None  # the durable registry (default: $RUDDER_HOME/server)
     tenant_max_concurrent: int | None = None  # one tenant's requests, running and queued
     tenant_max_modules: int | None = None     # modules one tenant may upload
+    reasoning: Reasoning | None = None  # --reasoning-parser: chat outputs think first (reasoning.py)
 
     @property
     def served_name(self) -> str:

@@ -2,7 +2,8 @@
 
 | field(s)                                            | controller |
 | --------------------------------------------------- | ---------- |
-| `response_format` json_schema / json_object         | `json` (the schema / any object) |
+| `response_format` json_schema / json_object         | `json` (the schema / any object; `strict` honoured) |
+| `response_format` / `structured_outputs` / top-level `structural_tag` | `triggers` or `grammar` (structural_tag.py) |
 | vLLM `structured_outputs` json / json_object        | `json` (+ whitespace and additionalProperties options) |
 | vLLM `structured_outputs` regex / choice / grammar  | `regex` / `choices` / `grammar` |
 | vLLM `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` | as structured_outputs |
@@ -13,7 +14,10 @@
 | `n` > 1 without any of these                        | `fork` with n |
 
 `response_format: {"type": "text"}` asks for nothing. Two fields that both constrain the output
-are a 400 naming them (even when they agree: one source of truth per request).
+are a 400 naming them (even when they agree: one source of truth per request). `json_undeclared:
+"allow"` lets every JSON Schema of the request generate undeclared properties (the default is
+only the declared ones). With `--reasoning-parser`, a chat's constraint applies after the
+thinking (`triggers` with a `reasoning` phase; `thinking_token_budget` ends the thinking).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import structured
+from ..reasoning import Reasoning
+from ..structural_tag import structural_tag
 from ..structured import Constraint, ConstraintError
 from .errors import APIError
 from .tools import ToolPlan
@@ -46,12 +52,21 @@ def _check(build, *args, **kw) -> Constraint:
         raise APIError("invalid_request", str(e), param=e.param) from None
 
 
-def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
-    """The controller an OpenAI request (chat or completion) asks for, or None."""
+def steer_of(body, tools: ToolPlan | None = None, reasoning: Reasoning | None = None) -> Steer | None:
+    """The controller an OpenAI request (chat or completion) asks for, or None. `reasoning`: the
+    output thinks first (a chat on a server with --reasoning-parser); the constraint follows."""
     found: list[Steer] = []
+    constraints: list[Constraint] = []
+    undeclared = getattr(body, "json_undeclared", None)
+    schemas: list[str] = []   # the fields that gave a JSON Schema
 
     def add(c: Constraint) -> None:
-        found.append(Steer(c.controller, c.arg, param=c.source, max_backtrack=0))
+        constraints.append(c)
+        found.append(Steer(c.controller, c.arg, param=c.source, max_backtrack=c.max_backtrack))
+
+    def schema(value, source: str, **kw) -> None:
+        schemas.append(source)
+        add(_check(structured.json_schema, value, source=source, undeclared=undeclared, **kw))
 
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_schema":
@@ -59,19 +74,24 @@ def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
         if not isinstance(spec.get("schema"), (dict, bool)):
             raise APIError("invalid_request", "response_format json_schema needs json_schema.schema (an object)",
                            param="response_format")
-        add(_check(structured.json_schema, spec["schema"], source="response_format"))
+        strict = spec.get("strict")
+        if strict not in (None, True, False):
+            raise APIError("invalid_request", "response_format json_schema.strict is true or false",
+                           param="response_format")
+        schema(spec["schema"], "response_format", strict=bool(strict))
     elif fmt is not None and fmt.type == "json_object":
         add(_check(structured.any_json_object, source="response_format"))
+    elif fmt is not None and fmt.type == "structural_tag":
+        tag = {k: v for k, v in (("format", fmt.format), ("structures", fmt.structures), ("triggers", fmt.triggers))
+               if v is not None}
+        add(_check(structural_tag, tag, source="response_format"))
 
     so = body.structured_outputs
     if so is not None:
-        if so.structural_tag is not None:
-            raise APIError("invalid_request", "structured_outputs.structural_tag is not supported by this server",
-                           param="structured_outputs", code="unsupported_parameter")
         ws = _ws(so.whitespace_pattern, so.disable_any_whitespace, "structured_outputs")
         if so.json_ is not None:
-            add(_check(structured.json_schema, so.json_, source="structured_outputs.json", whitespace=ws,
-                       no_additional_properties=bool(so.disable_additional_properties)))
+            schema(so.json_, "structured_outputs.json", whitespace=ws,
+                   no_additional_properties=bool(so.disable_additional_properties))
         if so.json_object:
             add(_check(structured.any_json_object, source="structured_outputs.json_object", whitespace=ws))
         if so.regex is not None:
@@ -80,10 +100,12 @@ def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
             add(_check(structured.choice, so.choice, source="structured_outputs.choice"))
         if so.grammar is not None:
             add(_check(structured.grammar, so.grammar, source="structured_outputs.grammar"))
+        if so.structural_tag is not None:
+            add(_check(structural_tag, so.structural_tag, source="structured_outputs.structural_tag"))
 
     if body.guided_json is not None:
         ws = _ws(body.guided_whitespace_pattern, None, "guided_whitespace_pattern")
-        add(_check(structured.json_schema, body.guided_json, source="guided_json", whitespace=ws))
+        schema(body.guided_json, "guided_json", whitespace=ws)
     elif body.guided_whitespace_pattern is not None and (so is None or so.json_ is None):
         raise APIError("invalid_request", "guided_whitespace_pattern goes with guided_json",
                        param="guided_whitespace_pattern")
@@ -93,9 +115,11 @@ def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
         add(_check(structured.choice, body.guided_choice, source="guided_choice"))
     if body.guided_grammar is not None:
         add(_check(structured.grammar, body.guided_grammar, source="guided_grammar"))
+    if body.structural_tag is not None:  # vLLM's older top-level field
+        add(_check(structural_tag, body.structural_tag, source="structural_tag"))
 
     if body.json_schema is not None:  # SGLang
-        add(_check(structured.json_schema, body.json_schema, source="json_schema"))
+        schema(body.json_schema, "json_schema")
     if body.regex is not None:
         add(_check(structured.regex, body.regex, source="regex"))
     if body.ebnf is not None:
@@ -104,13 +128,15 @@ def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
     ext = body.rudder
     if ext is not None:
         if ext.json_schema is not None:
-            add(_check(structured.json_schema, ext.json_schema, source="rudder.json_schema"))
+            schema(ext.json_schema, "rudder.json_schema")
         if ext.regex is not None:
             add(_check(structured.regex, ext.regex, source="rudder.regex"))
         if ext.choice is not None:
             add(_check(structured.choice, ext.choice, source="rudder.choice"))
         if ext.grammar is not None:
             add(_check(structured.grammar, ext.grammar, source="rudder.grammar"))
+        if ext.structural_tag is not None:
+            add(_check(structural_tag, ext.structural_tag, source="rudder.structural_tag"))
         if ext.controller is not None:
             found.append(Steer(ext.controller, ext.arg, ext.controller_limits, ext.max_backtrack,
                                "rudder.controller"))
@@ -126,15 +152,35 @@ def steer_of(body, tools: ToolPlan | None = None) -> Steer | None:
     if tools is not None and tools.constraint is not None:
         add(tools.constraint)
 
+    if undeclared is not None and not schemas:
+        raise APIError("invalid_request", "json_undeclared applies to response_format json_schema, guided_json, "
+                       "structured_outputs.json, json_schema or rudder.json_schema, and the request has none",
+                       param="json_undeclared")
     if len(found) > 1:
         a, b = found[0].param, found[1].param
         raise APIError("invalid_request", f"{a} and {b} both constrain the output: give one", param=b)
+    budget = getattr(body, "thinking_token_budget", None)
+    if budget is not None and reasoning is None:
+        raise APIError("invalid_request", "thinking_token_budget needs a server started with --reasoning-parser",
+                       param="thinking_token_budget")
     n = getattr(body, "n", 1)
     if n > 1:
         if found:
             raise APIError("invalid_request", f"n > 1 works without a constraint only (it forks one request "
                            f"with the fork controller; {found[0].param} is one): send n requests", param="n")
+        if budget is not None:
+            raise APIError("invalid_request", "n > 1 with thinking_token_budget: send n requests", param="n")
         return Steer("fork", str(n), param="n", max_backtrack=0)
+    if reasoning is not None and (constraints or budget is not None):
+        if found and not constraints:
+            raise APIError("invalid_request", "thinking_token_budget works with the built-in constraints, not with "
+                           "rudder.controller", param="thinking_token_budget")
+        if found and found[0].param == "rudder.controller":
+            return found[0]   # a controller of the client's own sees the thinking too
+        thinking = Reasoning(reasoning.start, reasoning.end, budget)
+        c = _check(structured.with_reasoning, constraints[0] if constraints else None, thinking)
+        limits = found[0].limits if found else None
+        return Steer(c.controller, c.arg, limits, c.max_backtrack, c.source)
     return found[0] if found else None
 
 

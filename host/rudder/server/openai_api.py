@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 
 from ..engine.output import BacktrackTooFar, HeldStream, Piece
+from ..reasoning import Reasoning, ReasoningSplitter, split
 from .auth import ANONYMOUS
 from .dialects import steer_of
 from .errors import APIError, unsupported
@@ -55,6 +56,7 @@ class _Shape:
     logprobs: int | None = None      # top-n (0: only the token's), None: none
     raw: bool = False
     echo: list[str] | None = None    # per prompt (completions)
+    reasoning: Reasoning | None = None  # chat: the thinking comes back as reasoning_content
 
     @property
     def mode(self) -> str | None:
@@ -71,13 +73,21 @@ async def _chat(svc: Service, body: ChatRequest, request: Request):
                                 for m in body.messages], plan)
     prompt = svc.chat_prompt(messages, plan.prompt_suffix if plan is not None else "")
     ids = svc.encode(prompt, "messages")
-    steer = steer_of(body, plan)
+    reasoning = svc.config.reasoning
+    if reasoning is not None and plan is not None and plan.mode == "json":
+        raise APIError("invalid_request", "a named or required tool_choice with --reasoning-parser is not "
+                       "supported yet: use tool_choice auto", param="tool_choice")
+    steer = steer_of(body, plan, reasoning)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = svc.sampling(body, body.max_completion_tokens or body.max_tokens, len(ids), "messages",
                           logprobs=logprobs)
-    shape = _Shape(True, body.n, plan if plan is not None and plan.mode else None, logprobs, _raw(body, plan))
+    shape = _Shape(True, body.n, plan if plan is not None and plan.mode else None, logprobs, _raw(body, plan),
+                   reasoning=reasoning)
+    if reasoning is not None and shape.raw:
+        raise APIError("invalid_request", "rudder.stream_backtrack cannot be used with --reasoning-parser",
+                       param="rudder.stream_backtrack")
     jobs = await svc.start_all([(ids, params)], steer, _who(request))
     return await _respond(svc, jobs, body, shape, "chatcmpl")
 
@@ -90,6 +100,9 @@ async def _completions(svc: Service, body: CompletionRequest, request: Request):
         prompts = [prompts]
     if body.echo and body.logprobs is not None:
         raise unsupported("echo with logprobs", "the prompt's logprobs are not computed")
+    if body.thinking_token_budget is not None:
+        raise APIError("invalid_request", "thinking_token_budget applies to /v1/chat/completions",
+                       param="thinking_token_budget")
     steer = steer_of(body)
     specs, echo = [], []
     for i, p in enumerate(prompts):
@@ -132,6 +145,7 @@ class _Choice:
         self.index = index
         self.held = HeldStream(window)
         self.parser = ToolCallParser(shape.mode) if shape.mode else None
+        self.thinking = ReasoningSplitter(shape.reasoning) if shape.reasoning is not None else None
         self.shown = Piece()  # released so far
         self.started = False
         self.finish_reason: str | None = None
@@ -270,11 +284,19 @@ def _stream_entry(svc: Service, shape: _Shape, job, c: _Choice, piece: Piece, d)
         c.finish_reason = finish
         return {**entry, "text": text, "logprobs": logprobs, "finish_reason": finish}
     delta: dict = {}
+    text = piece.text
+    if c.thinking is not None:
+        thinking, text = c.thinking.feed(text)
+        if d.finished:
+            more_thinking, more_text = c.thinking.finish()
+            thinking, text = thinking + more_thinking, text + more_text
+        if thinking:
+            delta["reasoning_content"] = thinking
     if c.parser is None:
-        if piece.text or not c.started:
-            delta["content"] = piece.text
+        if text or not c.started and not delta:
+            delta["content"] = text
     else:
-        events = c.parser.feed(piece.text) + (c.parser.finish() if d.finished else [])
+        events = c.parser.feed(text) + (c.parser.finish() if d.finished else [])
         finish = _finish_reason(c, d.finish_reason) if d.finished else None  # calls are known now
         calls: dict[int, dict] = {}
         for ev in events:
@@ -339,11 +361,13 @@ def _whole_choice(svc: Service, shape: _Shape, job, c: _Choice, comp) -> dict:
             text = shape.echo[job.index] + text
         return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(c, comp.finish_reason)}
     message = {"role": "assistant", "content": text}
-    if c.parser is not None:
+    if shape.reasoning is not None:
+        message["reasoning_content"], answer = split(text, shape.reasoning)
+        text = message["content"] = answer
+    if c.parser is not None and text is not None:
         c.parser.feed(text)
         c.parser.finish()
         if c.parser.calls:
-            message = {"role": "assistant", "content": c.parser.content or None,
-                       "tool_calls": c.parser.tool_calls()}
+            message.update(content=c.parser.content or None, tool_calls=c.parser.tool_calls())
     return {"index": c.index, "message": message, "logprobs": logprobs,
             "finish_reason": _finish_reason(c, comp.finish_reason)}

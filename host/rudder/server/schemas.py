@@ -92,6 +92,7 @@ class RudderExtension(_Body):
     grammar: Optional[str] = None
     json_schema: Optional[Any] = None
     choice: Optional[list[str]] = None
+    structural_tag: Optional[Any] = None
     max_backtrack: Optional[int] = Field(None, ge=0)
     stream_backtrack: bool = False
 
@@ -101,8 +102,12 @@ class RudderExtension(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[dict[str, Any]] = None  # {"name", "schema", "strict"}
+    # structural_tag: XGrammar's {"format": ...} or the original {"structures", "triggers"}
+    format: Optional[Any] = None
+    structures: Optional[Any] = None
+    triggers: Optional[Any] = None
 
 
 class StructuredOutputs(_Body):
@@ -137,7 +142,7 @@ UNSUPPORTED = {
     "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "documents": (None, []), "priority": (None, 0), "truncate_prompt_tokens": (None,), "bad_words": (None, []),
     "allowed_token_ids": (None,), "return_tokens_as_token_ids": (None, False), "suffix": (None, ""),
-    "vllm_xargs": (None,), "kv_transfer_params": (None,), "structural_tag": (None,),
+    "vllm_xargs": (None,), "kv_transfer_params": (None,),
     "return_hidden_states": (None, False), "lora_path": (None,), "verbosity": (None,),
 }
 
@@ -158,6 +163,11 @@ class _OpenAIBody(Sampling):
     regex: Optional[str] = None          # SGLang
     ebnf: Optional[str] = None           # SGLang (GBNF)
     json_schema: Optional[Any] = None    # SGLang: a schema as JSON text
+    structural_tag: Optional[Any] = None  # vLLM's older top-level field (JSON text or an object)
+    # "allow": JSON Schemas may generate undeclared properties (the specification's reading);
+    # the default, "forbid", generates only the properties an object declares.
+    json_undeclared: Optional[Literal["forbid", "allow"]] = None
+    thinking_token_budget: Optional[int] = Field(None, ge=0)  # vLLM: the thinking's most tokens
     rudder: Optional[RudderExtension] = None
     user: Optional[str] = None           # logged with the request
     request_id: Optional[str] = None     # vLLM: the response's id
@@ -193,7 +203,6 @@ class _OpenAIBody(Sampling):
     return_tokens_as_token_ids: Optional[Any] = None
     vllm_xargs: Optional[Any] = None
     kv_transfer_params: Optional[Any] = None
-    structural_tag: Optional[Any] = None
     return_hidden_states: Optional[Any] = None
     lora_path: Optional[Any] = None
     verbosity: Optional[Any] = None
