@@ -163,3 +163,58 @@ def test_unsupported_parts_are_refused_with_their_path(tag, message):
     with pytest.raises(ConstraintError) as info:
         structural_tag(tag)
     assert message in str(info.value) and info.value.param == "structural_tag"
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client():
+    from openai import OpenAI
+
+    from rudder.server import ServerConfig
+    from serve_util import LiveServer
+
+    with LiveServer(ServerConfig(model="tiny", max_tokens=500)) as s:
+        yield OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+
+
+SEQUENCE = fmt({"type": "sequence", "elements": [
+    {"type": "const_string", "value": "n="},
+    {"type": "tag", "begin": "<n>", "content": {"type": "regex", "pattern": "[0-9]{1,2}"}, "end": "</n>"}]})
+
+
+@pytest.mark.parametrize("where", ["response_format", "structured_outputs", "top-level", "rudder"])
+def test_every_field_that_takes_a_structural_tag(client, where):
+    body = {"response_format": {"response_format": SEQUENCE},
+            "structured_outputs": {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(SEQUENCE)}}},
+            "top-level": {"extra_body": {"structural_tag": json.dumps(SEQUENCE)}},
+            "rudder": {"extra_body": {"rudder": {"structural_tag": SEQUENCE}}}}[where]
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=30, seed=seed, **body)
+        assert re.fullmatch(r"n=<n>[0-9]{1,2}</n>", out.choices[0].message.content)
+
+
+def test_the_original_form_over_http(client):
+    tag = {"type": "structural_tag", "triggers": ["<"], "structures": [
+        {"begin": "<n>", "schema": {"type": "integer", "minimum": 0, "maximum": 99}, "end": "</n>"}]}
+    text = client.completions.create(model="tiny", prompt="hi", max_tokens=60, seed=1,
+                                     logit_bias={str(3 + ord("<")): 4},
+                                     extra_body={"response_format": tag}).choices[0].text
+    tags = [m.start() for m in re.finditer(r"<", text)]
+    assert tags, text
+    at = text.find("<")
+    while at >= 0:   # each trigger begins a whole tag (unless the output was cut)
+        m = re.match(r"<n>[0-9]{1,2}</n>", text[at:])
+        assert m or len(text) - at < 9, text
+        at = text.find("<", at + (m.end() if m else 1))
+
+
+def test_an_unsupported_part_is_a_400_naming_it(client):
+    import openai
+
+    bad = fmt({"type": "sequence", "elements": [{"type": "const_string", "value": "x"}, {"type": "token", "token": 1}]})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], response_format=bad)
+    err = info.value.body
+    assert err["param"] == "response_format" and "format.elements[1]: the format type 'token'" in err["message"]
