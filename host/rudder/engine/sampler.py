@@ -239,22 +239,30 @@ class Sampler:
         return SampleOutput(tokens, [None] * len(tokens))
 
     def _sample_rows(self, logits, rows, params, rngs) -> torch.Tensor:
-        x = take_rows(logits, rows, copy=True)  # (scaled in place below)
-        temps = torch.tensor([params[i].temperature for i in rows], dtype=x.dtype, device=x.device)
-        x.div_(temps.unsqueeze(1))
-        for j, i in enumerate(rows):
-            p = params[i]
-            if 0 < p.top_k < x.shape[1]:
-                kth = x[j].topk(p.top_k).values[-1]
-                x[j].masked_fill_(x[j] < kth, float("-inf"))
-            if p.top_p < 1.0:
-                keep_nucleus(x[j], p.top_p)
-        probs = x.softmax(dim=-1)
-        for j, i in enumerate(rows):  # min_p: drop what is under min_p times the most likely token
-            if params[i].min_p > 0:  # (the draw below scales by the remaining total)
-                probs[j].masked_fill_(probs[j] < probs[j].max() * params[i].min_p, 0.0)
-        cdf = probs.cumsum_(dim=-1)
+        weights = sampling_weights(take_rows(logits, rows, copy=True), [params[i] for i in rows])
+        cdf = weights.cumsum_(dim=-1)
         u = torch.tensor([draw_uniform(params[i], rngs[i]) for i in rows], dtype=cdf.dtype, device=cdf.device)
-        u.mul_(cdf[:, -1])  # scale by the total (float rounding) so u never exceeds the last bin
+        u.mul_(cdf[:, -1])  # scale by the total (float rounding, min_p's zeros) so u never exceeds the last bin
         picked = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1)
-        return picked.clamp_(max=x.shape[1] - 1)
+        return picked.clamp_(max=weights.shape[1] - 1)
+
+
+def sampling_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from, as weights proportional to its probabilities: the
+    one definition of temperature, top-k, top-p and min-p, for the Sampler and for speculative
+    verification alike. `x`: [rows, V] logits after masks and logit processing (scaled in place);
+    every row's temperature is > 0. A row sums to 1 unless min_p dropped tokens (then to less:
+    divide by the sum for probabilities)."""
+    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+    x.div_(temps.unsqueeze(1))
+    for j, p in enumerate(params):
+        if 0 < p.top_k < x.shape[1]:
+            kth = x[j].topk(p.top_k).values[-1]
+            x[j].masked_fill_(x[j] < kth, float("-inf"))
+        if p.top_p < 1.0:
+            keep_nucleus(x[j], p.top_p)
+    probs = x.softmax(dim=-1)
+    for j, p in enumerate(params):  # min_p: drop what is under min_p times the most likely token
+        if p.min_p > 0:
+            probs[j].masked_fill_(probs[j] < probs[j].max() * p.min_p, 0.0)
+    return probs

@@ -33,7 +33,7 @@ import torch
 from ..branch import Branch
 from .branching import Sample, ends_sequence, mask_allows, tokens_after
 from .drafts import DraftModel, PromptLookup, build_draft_model
-from .sampler import Sampler, argmax, keep_nucleus, take_rows
+from .sampler import Sampler, argmax, sampling_weights, take_rows
 
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
@@ -239,13 +239,10 @@ class _Adaptive:
 
 
 def _probs(row: torch.Tensor, params) -> torch.Tensor:
-    """The sampling distribution the Sampler uses for this (already masked) row."""
-    x = row / params.temperature
-    if 0 < params.top_k < x.shape[0]:
-        x.masked_fill_(x < x.topk(params.top_k).values[-1], float("-inf"))
-    if params.top_p < 1.0:
-        keep_nucleus(x, params.top_p)
-    return x.softmax(-1)
+    """The probabilities the Sampler draws from for this (already masked) row: its one
+    definition (sampler.sampling_weights), normalized."""
+    w = sampling_weights(row.unsqueeze(0).clone(), [params])[0]
+    return w / w.sum()
 
 
 def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
