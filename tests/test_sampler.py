@@ -191,3 +191,161 @@ def test_take_rows_matches_index_select_and_copies_only_when_asked():
     shared = take_rows(t, [3, 3])  # forks sharing a row get rows of their own
     shared[0, 0] = -3.0
     assert t[3, 0] != -3.0 and shared[1, 0] != -3.0
+
+
+# -- the distribution each parameter gives ------------------------------------------------------
+#
+# The Sampler draws by inverse CDF: a token takes exactly one uniform u, and token i is drawn for
+# the u in an interval as long as its probability. Driving u by hand and finding where the drawn
+# token changes recovers the whole distribution it samples from, to 1e-7: no statistics, and a
+# parameter applied at the wrong strength moves the boundaries far more than that.
+
+ROW = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0], dtype=np.float32)
+PROMPT = [6, 7, 1]  # the history of the penalized rows: a prompt, then output tokens
+OUTPUT = [0, 0, 2, 3, 0]
+
+
+class FixedU:
+    """A generator that gives the one uniform set on it."""
+
+    u = 0.0
+
+    def random(self):
+        return self.u
+
+
+def drawn_distribution(params: SamplingParams, row=ROW, history=None, mask=None) -> np.ndarray:
+    """The probabilities the Sampler draws `row`'s tokens with, recovered from the boundaries of
+    the u intervals (bisection)."""
+    sampler, gen = Sampler(len(row)), FixedU()
+
+    def token(u: float) -> int:
+        gen.u = u
+        return sampler.sample(torch.from_numpy(row.copy()).unsqueeze(0), [params], [gen],
+                              None if mask is None else [mask], None if history is None else [history]).tokens[0]
+
+    edges = [0.0]
+    for k in range(1, len(row)):  # the least u that draws a token >= k
+        lo, hi = edges[-1], 1.0
+        if token(np.nextafter(1.0, 0.0)) < k:
+            edges.append(1.0)
+            continue
+        while hi - lo > 1e-9:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if token(mid) < k else (lo, mid)
+        edges.append(hi)
+    edges.append(1.0)
+    return np.diff(edges)
+
+
+def softmax(x) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(x - x[np.isfinite(x)].max())
+    return e / e.sum()
+
+
+def truncated(p, keep) -> np.ndarray:
+    """`p` restricted to `keep` (token ids), renormalized."""
+    out = np.zeros_like(p)
+    out[list(keep)] = p[list(keep)]
+    return out / out.sum()
+
+
+def test_a_plain_row_is_drawn_from_its_softmax():
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=1.0)), softmax(ROW), atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.5, 2.0])
+def test_temperature_divides_the_logits(temperature):
+    got = drawn_distribution(SamplingParams(temperature=temperature))
+    np.testing.assert_allclose(got, softmax(ROW / temperature), atol=1e-6)
+
+
+def test_top_k_keeps_the_k_most_likely():
+    got = drawn_distribution(SamplingParams(temperature=1.0, top_k=3))
+    np.testing.assert_allclose(got, truncated(softmax(ROW), [0, 1, 2]), atol=1e-6)
+    # after the temperature: top-k picks the same tokens, from the sharpened distribution
+    got = drawn_distribution(SamplingParams(temperature=0.5, top_k=2))
+    np.testing.assert_allclose(got, truncated(softmax(ROW / 0.5), [0, 1]), atol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p():
+    p = softmax(ROW)  # 0.53, 0.20, 0.12, 0.07, ...: the mass before each token 0, 0.53, 0.73, 0.84, 0.92
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=1.0, top_p=0.8)),
+                               truncated(p, [0, 1, 2]), atol=1e-6)
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=1.0, top_p=0.9)),
+                               truncated(p, [0, 1, 2, 3]), atol=1e-6)
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=1.0, top_p=0.7)),
+                               truncated(p, [0, 1]), atol=1e-6)
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=1.0, top_p=0.3)),
+                               truncated(p, [0]), atol=1e-6)  # the most likely token always stays
+    # on the tempered distribution (0.5: 0.82, 0.11, 0.04, ...)
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=0.5, top_p=0.9)),
+                               truncated(softmax(ROW / 0.5), [0, 1]), atol=1e-6)
+
+
+def test_min_p_drops_what_is_under_min_p_times_the_top_token():
+    p = softmax(ROW)  # ratios to the top one: 1, 0.37, 0.22, 0.14, 0.08, ...
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=1.0, min_p=0.2)),
+                               truncated(p, [0, 1, 2]), atol=1e-6)
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=1.0, min_p=0.1)),
+                               truncated(p, [0, 1, 2, 3]), atol=1e-6)
+    # on the tempered distribution (0.5: ratios 1, 0.135, 0.05, ...)
+    np.testing.assert_allclose(drawn_distribution(SamplingParams(temperature=0.5, min_p=0.1)),
+                               truncated(softmax(ROW / 0.5), [0, 1]), atol=1e-6)
+
+
+def test_truncations_compose_in_order_top_k_top_p_min_p():
+    """top-k first; top-p on what top-k kept (renormalized); min-p last, relative to the top token."""
+    p = truncated(softmax(ROW), range(5))  # top_k=5: 0.55, 0.20, 0.12, 0.07, 0.05
+    # top_p=0.85 of the top five keeps three (of the whole row it would keep four)
+    got = drawn_distribution(SamplingParams(temperature=1.0, top_k=5, top_p=0.85))
+    np.testing.assert_allclose(got, truncated(p, [0, 1, 2]), atol=1e-6)
+    got = drawn_distribution(SamplingParams(temperature=1.0, top_k=5, top_p=0.85, min_p=0.3))
+    np.testing.assert_allclose(got, truncated(p, [0, 1]), atol=1e-6)  # 0.12 / 0.55 < 0.3
+
+
+def penalized(logits, presence=0.0, frequency=0.0, repetition=1.0):
+    x = np.array(logits, dtype=np.float64)
+    for t in set(PROMPT + OUTPUT):
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t in set(OUTPUT):
+        x[t] -= frequency * OUTPUT.count(t) + presence
+    return x
+
+
+@pytest.mark.parametrize("name, value, expect", [
+    ("presence_penalty", 0.8, lambda: penalized(ROW, presence=0.8)),   # once per output token
+    ("frequency_penalty", 0.6, lambda: penalized(ROW, frequency=0.6)),  # per occurrence: token 0 three times
+    ("repetition_penalty", 1.7, lambda: penalized(ROW, repetition=1.7)),  # prompt and output; /p above 0, *p below
+    ("presence_penalty", -0.5, lambda: penalized(ROW, presence=-0.5)),  # negative: repeats are favoured
+])
+def test_each_penalty_at_its_strength(name, value, expect):
+    params = SamplingParams(temperature=1.0, **{name: value}).validate()
+    got = drawn_distribution(params, history=(PROMPT + OUTPUT, len(PROMPT)))
+    np.testing.assert_allclose(got, softmax(expect()), atol=1e-6)
+    assert np.abs(got - softmax(ROW)).max() > 0.02  # it does change the distribution
+
+
+def test_penalties_combine_and_come_before_the_temperature():
+    params = SamplingParams(temperature=0.7, presence_penalty=0.3, frequency_penalty=0.2,
+                            repetition_penalty=1.3).validate()
+    got = drawn_distribution(params, history=(PROMPT + OUTPUT, len(PROMPT)))
+    np.testing.assert_allclose(got, softmax(penalized(ROW, 0.3, 0.2, 1.3) / 0.7), atol=1e-6)
+
+
+def test_logit_bias_adds_to_the_logit_before_the_temperature():
+    params = SamplingParams(temperature=0.5, logit_bias={3: 1.5, 0: -2.0, 7: 4.0}).validate()
+    x = ROW.astype(np.float64) + np.array([-2.0, 0, 0, 1.5, 0, 0, 0, 4.0])
+    np.testing.assert_allclose(drawn_distribution(params), softmax(x / 0.5), atol=1e-6)
+
+
+def test_a_mask_restricts_the_distribution_before_truncation():
+    """top-p and min-p act on the masked, renormalized distribution."""
+    allowed = [1, 2, 4, 5, 6]
+    mask = mask_from_allowed(np.isin(np.arange(len(ROW)), allowed), vocab=len(ROW))
+    p = truncated(softmax(ROW), allowed)  # 0.50, 0.30, 0.11, 0.07, 0.02
+    got = drawn_distribution(SamplingParams(temperature=1.0, top_p=0.85), mask=mask)
+    np.testing.assert_allclose(got, truncated(p, [1, 2, 4]), atol=1e-6)
+    got = drawn_distribution(SamplingParams(temperature=1.0, min_p=0.2), mask=mask)
+    np.testing.assert_allclose(got, truncated(p, [1, 2, 4]), atol=1e-6)
