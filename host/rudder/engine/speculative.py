@@ -296,8 +296,12 @@ class Speculator:
         for seq in running:  # the guard's clock: every speculative sequence's last step
             if seq.params.speculative and seq.params.seed is None:
                 self._adaptive(seq).step(now, len(seq))
+        # (not while a controller's first call, started with the request, is unclaimed: a prompt
+        # prefilled in chunks can have one token left, and drafting would call the controller again
+        # while that call may still run)
         candidates = [s for s in running if s.params.speculative and s.num_pending == 1 and s.num_cached > 0
-                      and (s.cursor is None or s.cursor.wants_call) and s.draft is None]
+                      and (s.cursor is None or (s.cursor.wants_call and s.cursor.started is None))
+                      and s.draft is None]
         if not candidates:
             self._began(running, set(), now)
             return
