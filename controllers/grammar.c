@@ -7,6 +7,11 @@
 
 static rudder_cx *cx;
 
+int controller_init(void) {
+    rudder_gm_init_tables();   /* before the snapshot, shared by every request */
+    return 0;
+}
+
 int controller_start(const char *arg, uint32_t len) {
     static char err[256];
     rudder_grammar *g = rudder_gm_new(arg, len, err, sizeof err);

@@ -1,5 +1,5 @@
-/* rudder_grammar.c - grammar text -> terminals (one rudder_rx) + BNF rules -> Earley parse.
- * See rudder_grammar.h and docs/grammar.md.
+/* rudder_grammar.c - grammar text -> terminals (one rudder_rx, and a JSON Schema engine per
+ * %json element) + BNF rules -> Earley parse. See rudder_grammar.h and docs/grammar.md.
  *
  * Layout of the parse: Earley sets live in one array; set i of a committed parse is the set at
  * lexeme position i, so restoring a position is truncating the arrays. While a mask is being
@@ -7,6 +7,7 @@
  * after the committed ones (linked to their parent set), cached by (parent set, lexer state) so
  * a boundary reached from many trie nodes is parsed once, and dropped when the walk is done. */
 #include "rudder_grammar.h"
+#include "rudder_jsonschema.h"
 #include "rudder_regex.h"
 
 #define NONE 0xffffffffu
@@ -58,7 +59,7 @@ static void msg_uint(msg *m, uint32_t v) {
 
 typedef enum {
     K_EOF, K_NAME, K_COLON, K_PIPE, K_LPAR, K_RPAR, K_LBRK, K_RBRK, K_QMARK, K_STAR, K_PLUS,
-    K_BANG, K_STRING, K_REGEX, K_DIRECTIVE, K_ARROW, K_DOT,
+    K_BANG, K_STRING, K_REGEX, K_DIRECTIVE, K_ARROW, K_DOT, K_JSON,
 } kind;
 
 typedef struct {
@@ -67,12 +68,12 @@ typedef struct {
     bool bol;   /* first on its line */
 } gtok;
 
-typedef enum { N_ALT, N_SEQ, N_OPT, N_STAR, N_PLUS, N_NAME, N_LIT, N_RE } nkind;
+typedef enum { N_ALT, N_SEQ, N_OPT, N_STAR, N_PLUS, N_NAME, N_LIT, N_RE, N_JSON } nkind;
 
 typedef struct {
     nkind k;
     uint32_t first, next;   /* children (ALT, SEQ, OPT...), siblings; NONE-terminated */
-    uint32_t off, len;      /* NAME / LIT / RE: the text (LIT, RE: inside the quotes / slashes) */
+    uint32_t off, len;      /* NAME / LIT / RE / JSON: the text (LIT, RE: inside the quotes / slashes) */
     uint32_t line, col;
 } node;
 
@@ -169,6 +170,35 @@ static bool lex_text(front *f) {
             while (i < f->len && is_name_char(s[i]))
                 i++;
             t->k = K_DIRECTIVE;
+            if (i - start == 5 && memcmp(s + start, "%json", 5) == 0) {
+                /* `%json {...}`: the schema is the balanced object that follows (JSON strings may
+                 * hold braces) */
+                while (i < f->len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r' || s[i] == '\n'))
+                    if (s[i++] == '\n')
+                        line++, line_start = i;
+                if (i >= f->len || s[i] != '{')
+                    return fail_at(f, t->line, t->col, "expected a JSON Schema object after %json", 0, 0);
+                uint32_t open = i, depth = 0;
+                bool in_string = false;
+                for (; i < f->len; i++) {
+                    if (s[i] == '\n')
+                        line++, line_start = i + 1;
+                    if (in_string)
+                        in_string = s[i] == '\\' ? (i++, true) : s[i] != '"';
+                    else if (s[i] == '"')
+                        in_string = true;
+                    else if (s[i] == '{' || s[i] == '[')
+                        depth++;
+                    else if ((s[i] == '}' || s[i] == ']') && --depth == 0)
+                        break;
+                }
+                if (i >= f->len)
+                    return fail_at(f, t->line, t->col, "unterminated %json schema", 0, 0);
+                t->k = K_JSON;
+                t->off = open;
+                t->len = ++i - open;
+                continue;
+            }
         } else if (c == '-' && i + 1 < f->len && s[i + 1] == '>') {
             i += 2;
             t->k = K_ARROW;
@@ -229,6 +259,9 @@ static uint32_t parse_atom(front *f) {
     case K_REGEX:
         f->at++;
         return new_node(f, N_RE, t);
+    case K_JSON:
+        f->at++;
+        return new_node(f, N_JSON, t);
     case K_LPAR:
     case K_LBRK:
         f->at++;
@@ -245,7 +278,7 @@ static uint32_t parse_atom(front *f) {
         }
         return n;
     default:
-        return fail_at(f, t->line, t->col, "expected a name, a \"string\", a /regex/ or '('", 0, 0), NONE;
+        return fail_at(f, t->line, t->col, "expected a name, a \"string\", a /regex/, %json or '('", 0, 0), NONE;
     }
 }
 
@@ -408,8 +441,8 @@ static void regex_text(const char *s, uint32_t len, sbuf *out) {
 }
 
 typedef struct {
-    sbuf text;          /* regex text, or the literal's bytes */
-    bool literal, ignore;
+    sbuf text;          /* regex text, the literal's bytes, or a %json schema */
+    bool literal, ignore, json;
     uint32_t def;       /* the named definition, or NONE for an inline "literal" or /regex/ */
     uint32_t line, col;
 } term;
@@ -488,6 +521,8 @@ static bool expand_node(front *f, uint32_t n, sbuf *out) {
         regex_text(f->text + nd->off, nd->len, out);
         sb_put(out, ")", 1);
         return true;
+    case N_JSON:
+        return fail_at(f, nd->line, nd->col, "%json cannot be part of a terminal (uppercase); use it in a rule", 0, 0);
     case N_NAME: {
         uint32_t d = find_def(f, nd->off, nd->len);
         if (d == NONE)
@@ -523,7 +558,7 @@ static uint32_t term_of(terms *ts, uint32_t n, uint32_t d, bool ignore) {
     }
     for (uint32_t i = 0; i < ts->n_terms; i++) {
         term *o = &ts->terms[i];
-        if (o->literal == t.literal && o->text.n == t.text.n && memcmp(o->text.buf, t.text.buf, t.text.n) == 0 &&
+        if (!o->json && o->literal == t.literal && o->text.n == t.text.n && memcmp(o->text.buf, t.text.buf, t.text.n) == 0 &&
             (d == NONE || o->def == NONE || o->def == d)) {
             o->ignore |= ignore;
             if (o->def == NONE)
@@ -533,6 +568,20 @@ static uint32_t term_of(terms *ts, uint32_t n, uint32_t d, bool ignore) {
         }
     }
     GROW(ts->terms, ts->n_terms, ts->cap_terms, ts->n_terms + 1);
+    ts->terms[ts->n_terms] = t;
+    return ts->n_terms++;
+}
+
+/* The terminal of a `%json {...}` (one per distinct schema text). */
+static uint32_t json_term_of(terms *ts, uint32_t n) {
+    front *f = ts->f;
+    node *nd = &f->nodes[n];
+    for (uint32_t i = 0; i < ts->n_terms; i++)
+        if (ts->terms[i].json && ts->terms[i].text.n == nd->len && memcmp(ts->terms[i].text.buf, f->text + nd->off, nd->len) == 0)
+            return i;
+    GROW(ts->terms, ts->n_terms, ts->cap_terms, ts->n_terms + 1);
+    term t = {.json = true, .def = NONE, .line = nd->line, .col = nd->col};
+    sb_put(&t.text, f->text + nd->off, nd->len);
     ts->terms[ts->n_terms] = t;
     return ts->n_terms++;
 }
@@ -589,6 +638,8 @@ static uint32_t symbol_of(bnf *b, uint32_t n, uint32_t d) {
     case N_LIT:
     case N_RE:
         return term_of(b->ts, n, NONE, false);
+    case N_JSON:
+        return json_term_of(b->ts, n);
     case N_ALT:
     case N_SEQ:
         x = new_nt(b, d);
@@ -665,6 +716,27 @@ typedef struct {
     uint32_t parent, lexer, child, stamp;
 } child_slot;
 
+/* A `%json {...}` element: a terminal whose lexemes are JSON values, matched by the JSON Schema
+ * engine (rudder_jsonschema.h). The lexer value JSON_LEX0 + k means "inside a value of element
+ * k"; the value's position is held by the element's engine (see fresh_value). */
+#define JSON_LEX0 0xf0000000u
+#define MAX_JSON 4096u
+static inline bool is_json(uint32_t lexer) { return lexer - JSON_LEX0 < MAX_JSON; }
+
+typedef struct {
+    uint32_t term, line, col;
+    char *text;                   /* the schema (x is compiled from it on first use) */
+    uint32_t len;
+    rudder_engine m, x;           /* checkpoint 0 of both: the start of a value (see fresh_value) */
+    bool has_x, flexible, ff;
+    uint32_t epoch;               /* m began a new value this many times: older checkpoints are void */
+    uint32_t *bits;               /* tw words: this terminal */
+    uint32_t first[8];            /* bytes a value can begin with (never whitespace) */
+    uint32_t closers[8];          /* bytes a value can end with */
+    uint32_t *cands, n_cands;     /* (trie node, token) of the tokens with a closer before their last
+                                   * byte, in trie order: the only ones a value can end inside */
+} json_el;
+
 struct rudder_grammar {
     rudder_rx *rx;
     uint32_t n_terms, tw, n_nt, n_rules, start_nt;
@@ -681,7 +753,17 @@ struct rudder_grammar {
     uint32_t cap_expect;
     item *items;
     uint32_t n_items, cap_items;
-    uint32_t lexer;         /* state inside the current lexeme, or RUDDER_GM_BOUNDARY */
+    uint32_t lexer;         /* state inside the current lexeme, RUDDER_GM_BOUNDARY, or JSON_LEX0 + k */
+    uint8_t *hist;          /* the bytes pushed (a %json value's position is replayed from them) */
+    uint32_t n_bytes, cap_hist;
+    uint32_t json_at;       /* inside a %json value: the offset of its first byte */
+    uint32_t jtop;          /* a checkpoint of the current value's engine at its position ... */
+    bool jtop_ok;           /* ... when this is set */
+    /* %json elements */
+    json_el *json;
+    uint32_t n_json;
+    uint32_t *jbits;        /* tw words: the %json terminals */
+    uint32_t jfirst[8];     /* bytes some %json value can begin with */
     /* scratch */
     uint32_t *hash;         /* item dedup: slot -> index into items; valid when hstamp matches */
     uint32_t *hstamp, hmask, stamp;
@@ -701,6 +783,104 @@ struct rudder_grammar {
 
 uint32_t rudder_gm_n_terminals(const rudder_grammar *g) { return g->n_terms; }
 uint32_t rudder_gm_n_rules(const rudder_grammar *g) { return g->n_rules; }
+
+/* The trie's shape, request-independent: each node's depth (root children: 1) and the root's
+ * child per byte. */
+static uint8_t *g_depth;
+static uint32_t g_root[256];
+
+static void trie_tables(void) {
+    if (g_depth)
+        return;
+    const rudder_trie *t = rudder_trie_get();
+    uint32_t ends[256], depth = 0;
+    g_depth = rudder_xalloc(t->n_nodes);
+    g_depth[0] = 0;
+    ends[0] = t->n_nodes;
+    for (uint32_t i = 1; i < t->n_nodes; i++) {
+        while (i >= ends[depth])
+            depth--;
+        g_depth[i] = (uint8_t)(depth + 1);
+        if (depth == 0)
+            g_root[t->nodes[2 * i] & 255] = i;
+        if (t->nodes[2 * i + 1] > 1) {
+            if (depth + 2 >= 256)
+                rudder_panic("grammar: a token longer than 254 bytes");
+            ends[++depth] = i + t->nodes[2 * i + 1];
+        }
+    }
+}
+
+/* Per byte a JSON value can end with, the tokens with that byte before their last one, as
+ * (trie node, token) in trie order; made for the bytes of `set` not made yet, in one pass. */
+static uint32_t *g_with[256], g_n_with[256], g_cap_with[256];
+static bool g_with_made[256];
+
+static void make_with(const char *set) {
+    uint32_t want[8] = {0}, any = 0;
+    for (const char *c = set; *c; c++)
+        if (!g_with_made[(uint8_t)*c]) {
+            setbit(want, (uint8_t)*c);
+            g_with_made[(uint8_t)*c] = true;
+            any = 1;
+        }
+    const rudder_trie *t = rudder_trie_get();
+    for (uint32_t i = 1; any && i < t->n_nodes; i++) {
+        uint32_t tok1 = t->nodes[2 * i] >> 8, n, seen[8] = {0};
+        const uint8_t *b = tok1 ? rudder_token_bytes(tok1 - 1, &n) : 0;
+        for (uint32_t j = 0; b && j + 1 < n; j++) {
+            uint8_t c = b[j];
+            if (!bit(want, c) || bit(seen, c))
+                continue;
+            setbit(seen, c);
+            g_with[c] = rudder_grow(g_with[c], &g_cap_with[c], 2 * g_n_with[c] + 2, 4);
+            g_with[c][2 * g_n_with[c]] = i;
+            g_with[c][2 * g_n_with[c] + 1] = tok1 - 1;
+            g_n_with[c]++;
+        }
+    }
+}
+
+/* The candidates of an element with these closers: the union of the lists above. */
+static void closer_tokens(json_el *J) {
+    char set[257];
+    uint32_t k = 0;
+    for (uint32_t b = 1; b < 256; b++)
+        if (bit(J->closers, b))
+            set[k++] = (char)b;
+    set[k] = 0;
+    make_with(set);
+    for (const char *c = set; *c; c++) {
+        uint8_t b = (uint8_t)*c;
+        uint32_t nw = g_n_with[b], *w = g_with[b], na = J->n_cands, *a = J->cands, n = 0, i = 0, j = 0;
+        if (!nw)
+            continue;
+        uint32_t *out = rudder_xalloc(8 * (size_t)(na + nw));
+        while (i < na || j < nw) {   /* merge by trie node */
+            const uint32_t *p;
+            if (j == nw || (i < na && a[2 * i] < w[2 * j])) {
+                p = &a[2 * i++];
+            } else {
+                i += i < na && a[2 * i] == w[2 * j];
+                p = &w[2 * j++];
+            }
+            out[2 * n] = p[0];
+            out[2 * n + 1] = p[1];
+            n++;
+        }
+        rudder_free(a);
+        J->cands = out;
+        J->n_cands = n;
+    }
+}
+
+void rudder_gm_init_tables(void) {
+    trie_tables();
+    make_with("}]\"0123456789");   /* (short lists; a literal's last letters wait for a literal) */
+    rudder_js_init_tables();
+}
+
+static inline bool is_ws(uint8_t b) { return b == ' ' || b == '\n' || b == '\t' || b == '\r'; }
 
 /* Make the dedup table twice as large, keeping the items of the set being built (and which
  * nonterminals it predicted). */
@@ -812,9 +992,10 @@ static uint32_t build_set(rudder_grammar *g, uint32_t parent, const uint32_t *sc
     return si;
 }
 
-/* The lexer's start state after set `s`: the terminals it expects, and the ignored ones except
- * before the first lexeme and when no other lexeme can follow (as llguidance: skipped text is
- * only ever *between* lexemes, the output neither begins nor ends with it). */
+/* The lexer's start state after set `s`: the terminals it expects but %json ones, and the
+ * ignored ones except before the first lexeme and when no other lexeme can follow (as
+ * llguidance: skipped text is only ever *between* lexemes, the output neither begins nor ends
+ * with it). RUDDER_DEAD when only %json values (or nothing) may come. */
 static uint32_t set_start(rudder_grammar *g, uint32_t s) {
     if (g->sets[s].start == NONE) {
         const uint32_t *exp = g->expect + s * g->tw;
@@ -822,18 +1003,44 @@ static uint32_t set_start(rudder_grammar *g, uint32_t s) {
         for (uint32_t w = 0; w < g->tw; w++)
             any |= exp[w];
         for (uint32_t w = 0; w < g->tw; w++)
-            g->tmp[w] = exp[w] | (g->sets[s].pos && any ? g->ignore[w] : 0);
+            g->tmp[w] = (exp[w] | (g->sets[s].pos && any ? g->ignore[w] : 0)) & ~g->jbits[w];
         g->sets[s].start = rudder_rx_start(g->rx, g->tmp);
     }
     return g->sets[s].start;
 }
 
-/* The lexeme in `lexer` ends after set `s`: the set after it (s itself for an ignored lexeme),
- * or NONE if it is not a complete lexeme. Tentative sets are cached per (s, lexer). */
-static uint32_t lexeme_end(rudder_grammar *g, uint32_t s, uint32_t lexer, bool commit) {
-    if (!rudder_rx_accepting(g->rx, lexer))
+/* The %json element whose value begins with byte b after set s, or NONE. (At most one: where
+ * a value may begin, no other lexeme begins with the same byte; see check_json.) */
+static inline uint32_t json_entry(const rudder_grammar *g, uint32_t s, uint8_t b) {
+    if (!bit(g->jfirst, b))
         return NONE;
-    const uint32_t *acc = rudder_rx_accept_set(g->rx, lexer), *exp = g->expect + s * g->tw;
+    const uint32_t *exp = g->expect + s * g->tw;
+    for (uint32_t k = 0; k < g->n_json; k++)
+        if (bit(exp, g->json[k].term) && bit(g->json[k].first, b))
+            return k;
+    return NONE;
+}
+
+static bool json_expected(const rudder_grammar *g, uint32_t s) {
+    const uint32_t *exp = g->expect + s * g->tw;
+    for (uint32_t w = 0; w < g->tw; w++)
+        if (exp[w] & g->jbits[w])
+            return true;
+    return false;
+}
+
+/* The lexeme in `lexer` ends after set `s`: the set after it (s itself for an ignored lexeme),
+ * or NONE if it is not a complete lexeme (a %json value's caller has checked it is complete).
+ * Tentative sets are cached per (s, lexer). */
+static uint32_t lexeme_end(rudder_grammar *g, uint32_t s, uint32_t lexer, bool commit) {
+    const uint32_t *acc;
+    if (is_json(lexer))
+        acc = g->json[lexer - JSON_LEX0].bits;
+    else if (!rudder_rx_accepting(g->rx, lexer))
+        return NONE;
+    else
+        acc = rudder_rx_accept_set(g->rx, lexer);
+    const uint32_t *exp = g->expect + s * g->tw;
     bool scan = false, ignored = false;
     for (uint32_t w = 0; w < g->tw; w++) {
         scan |= (acc[w] & exp[w]) != 0;
@@ -858,20 +1065,30 @@ static uint32_t lexeme_end(rudder_grammar *g, uint32_t s, uint32_t lexer, bool c
     return build_set(g, s, acc);   /* the cache is full: correct, only slower */
 }
 
-/* One byte from (lexer, set *s): the next lexer state (set *s moved past an ended lexeme), or
- * RUDDER_DEAD. `lexer` is never RUDDER_GM_BOUNDARY here. */
+/* Byte b begins a lexeme after set c: its lexer state (JSON_LEX0 + k for a %json value, whose
+ * engine the caller starts), *s set to c; or RUDDER_DEAD. */
+static inline uint32_t begin_lexeme(rudder_grammar *g, uint32_t *s, uint32_t c, uint8_t b) {
+    uint32_t k = g->n_json ? json_entry(g, c, b) : NONE;
+    if (k != NONE) {
+        *s = c;
+        return JSON_LEX0 + k;
+    }
+    uint32_t st = set_start(g, c), n = st == RUDDER_DEAD ? RUDDER_DEAD : rudder_rx_push(g->rx, st, b);
+    if (n != RUDDER_DEAD)
+        *s = c;
+    return n;
+}
+
+/* One byte from (lexer, set *s) where lexer is a lexer state or RUDDER_GM_BOUNDARY: the next
+ * lexer value (set *s moved past an ended lexeme), or RUDDER_DEAD. */
 static inline uint32_t step_byte(rudder_grammar *g, uint32_t *s, uint32_t lexer, uint8_t b, bool commit) {
+    if (lexer == RUDDER_GM_BOUNDARY)
+        return begin_lexeme(g, s, *s, b);
     uint32_t n = rudder_rx_push(g->rx, lexer, b);
     if (n != RUDDER_DEAD)
         return n;   /* greedy: a lexeme that can go on does */
     uint32_t c = lexeme_end(g, *s, lexer, commit);
-    if (c == NONE)
-        return RUDDER_DEAD;
-    uint32_t st = set_start(g, c);
-    n = st == RUDDER_DEAD ? RUDDER_DEAD : rudder_rx_push(g->rx, st, b);
-    if (n != RUDDER_DEAD)
-        *s = c;
-    return n;
+    return c == NONE ? RUDDER_DEAD : begin_lexeme(g, s, c, b);
 }
 
 static void drop_tentative(rudder_grammar *g) {
@@ -891,53 +1108,158 @@ static uint32_t lexer_now(rudder_grammar *g) {
     return g->lexer == RUDDER_GM_BOUNDARY ? set_start(g, g->n_real - 1) : g->lexer;
 }
 
-/* ------------------------------------------------------------------ public: the parse */
+/* ------------------------------------------------------------------ %json values */
 
-rudder_gm_pos rudder_gm_save(const rudder_grammar *g) { return (rudder_gm_pos){g->lexer, g->n_real}; }
-
-void rudder_gm_restore(rudder_grammar *g, rudder_gm_pos pos) {
-    drop_tentative(g);
-    if (pos.n_sets == 0 || pos.n_sets > g->n_real)
-        rudder_panic("rudder_gm_restore: not a position of this parse");
-    g->n_real = g->n_sets = pos.n_sets;
-    const eset *last = &g->sets[pos.n_sets - 1];
-    g->n_items = last->item0 + last->n_items;
-    g->lexer = pos.lexer;
+/* An engine at the start of a value of element k, for a value that begins inside a walk or a
+ * token's check: the element's own engine when the parse is not inside one of its values (the
+ * checkpoints of its earlier values become void: they are replayed if ever restored), else a
+ * second engine, compiled on first use. */
+static rudder_engine *fresh_value(rudder_grammar *g, uint32_t k) {
+    json_el *J = &g->json[k];
+    if (g->lexer != JSON_LEX0 + k) {
+        J->m.restore(J->m.self, 0);
+        J->epoch++;
+        return &J->m;
+    }
+    if (!J->has_x) {
+        char err[8];
+        rudder_js *js = rudder_js_compile(J->text, J->len, err, sizeof err);
+        if (!js)
+            rudder_panic("grammar: a %json schema compiled once does not compile again");
+        J->x = rudder_js_engine(js);
+        J->x.save(J->x.self);
+        J->has_x = true;
+    }
+    J->x.restore(J->x.self, 0);
+    return &J->x;
 }
 
-bool rudder_gm_push(rudder_grammar *g, const uint8_t *bytes, uint32_t len) {
-    if (!len)
-        return true;
-    drop_tentative(g);
-    rudder_gm_pos before = rudder_gm_save(g);
-    uint32_t s = g->n_real - 1, lex = lexer_now(g);
-    for (uint32_t i = 0; i < len; i++) {
-        lex = step_byte(g, &s, lex, bytes[i], true);
-        g->n_real = g->n_sets;   /* sets built while committing are real */
-        if (lex == RUDDER_DEAD) {
-            rudder_gm_restore(g, before);
-            return false;
-        }
+/* The committed value's engine begins a new value. */
+static void json_reset(rudder_grammar *g, json_el *J) {
+    J->m.restore(J->m.self, 0);
+    J->epoch++;
+    g->jtop_ok = false;
+}
+
+/* A checkpoint of the current value's engine at its position (taken once per position). */
+static uint32_t json_anchor(rudder_grammar *g) {
+    rudder_engine *m = &g->json[g->lexer - JSON_LEX0].m;
+    if (!g->jtop_ok) {
+        g->jtop = m->save(m->self);
+        g->jtop_ok = true;
     }
-    g->lexer = lex;
+    return g->jtop;
+}
+
+/* Does byte b continue the value in e (whose position is checkpoint cp)? */
+static bool json_takes(rudder_engine *e, uint32_t cp, uint8_t b) {
+    if (!e->push(e->self, &b, 1))
+        return false;
+    e->restore(e->self, cp);
     return true;
 }
 
-static bool accepting_at(rudder_grammar *g, uint32_t s, uint32_t lexer) {
-    if (lexer == RUDDER_GM_BOUNDARY)
-        return g->sets[s].accepts;
-    uint32_t c = lexeme_end(g, s, lexer, false);
-    return c != NONE && g->sets[c].accepts;
+/* The bytes that can extend a complete JSON value (a number's digits, fraction, exponent): all
+ * others end it. (Whitespace after it is not the value's: %json values have none around them.) */
+static const char EXTENDERS[] = "0123456789.eE+-";
+
+static bool json_can_extend(rudder_engine *e, uint32_t cp) {
+    for (const char *c = EXTENDERS; *c; c++)
+        if (json_takes(e, cp, (uint8_t)*c))
+            return true;
+    return false;
 }
 
-bool rudder_gm_accepting(rudder_grammar *g) {
-    bool ok = accepting_at(g, g->n_real - 1, g->lexer);
-    drop_tentative(g);
-    return ok;
+/* Do bytes b[0..n) continue from (set s, lexer), the current %json value's position (if any)
+ * being in engine x? The position moves (the caller restores it). One token's check: values
+ * that begin on the way go through fresh_value. */
+static bool sim_bytes(rudder_grammar *g, uint32_t s, uint32_t lexer, rudder_engine *x, const uint8_t *b, uint32_t n) {
+    uint32_t i = 0;
+    while (i < n) {
+        if (is_json(lexer)) {
+            json_el *J = &g->json[lexer - JSON_LEX0];
+            if (!x->accepting(x->self)) {   /* the value cannot end before its next closing byte */
+                uint32_t k = i;
+                while (k < n && !bit(J->closers, b[k]))
+                    k++;
+                k = k < n ? k + 1 : n;
+                if (!x->push(x->self, b + i, k - i))
+                    return false;
+                i = k;
+                continue;
+            }
+            if (!(J->flexible && is_ws(b[i])) && x->push(x->self, b + i, 1)) {
+                i++;
+                continue;
+            }
+            uint32_t c = lexeme_end(g, s, lexer, false);   /* the value is complete: it ends */
+            if (c == NONE)
+                return false;
+            s = c;
+            lexer = RUDDER_GM_BOUNDARY;
+        }
+        uint32_t l = step_byte(g, &s, lexer, b[i], false);
+        if (l == RUDDER_DEAD)
+            return false;
+        if (is_json(l)) {
+            x = fresh_value(g, l - JSON_LEX0);
+            x->push(x->self, b + i, 1);
+        }
+        lexer = l;
+        i++;
+    }
+    return true;
 }
+
+/* The first of J's candidate tokens at trie node >= node. */
+static uint32_t cands_from(const json_el *J, uint32_t node) {
+    uint32_t lo = 0, hi = J->n_cands;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (J->cands[2 * mid] < node)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* A value of element k begins at trie node i, after set c: the tokens of i's subtree. Those
+ * the JSON engine allows from the start of a value, but the candidates (a value may end inside
+ * them: then what follows is the grammar's, not JSON whitespace) are checked one by one. */
+static void json_subtree(rudder_grammar *g, uint32_t *mask, uint32_t k, uint32_t c, uint32_t i) {
+    json_el *J = &g->json[k];
+    uint32_t end = i + rudder_trie_get()->nodes[2 * i + 1], d = g_depth[i] - 1u;
+    rudder_engine *x = fresh_value(g, k);
+    x->walk(x->self, mask, i, end);
+    for (uint32_t at = cands_from(J, i); at < J->n_cands && J->cands[2 * at] < end; at++) {
+        uint32_t t = J->cands[2 * at + 1], len;
+        const uint8_t *b = rudder_token_bytes(t, &len);
+        rudder_mask_clear(mask, t);
+        if (sim_bytes(g, c, RUDDER_GM_BOUNDARY, NULL, b + d, len - d))
+            rudder_mask_set(mask, t);
+    }
+}
+
+/* Tokens that begin a %json value after set c at their first byte (bytes in `skip` excepted:
+ * the lexeme before goes on there). */
+static void json_roots(rudder_grammar *g, uint32_t *mask, uint32_t c, const uint32_t *skip) {
+    const uint32_t *exp = g->expect + c * g->tw;
+    for (uint32_t k = 0; k < g->n_json; k++) {
+        if (!bit(exp, g->json[k].term))
+            continue;
+        for (uint32_t b = 0; b < 256; b++)
+            if (bit(g->json[k].first, b) && g_root[b] && !(skip && bit(skip, b)))
+                json_subtree(g, mask, k, c, g_root[b]);
+    }
+}
+
+/* ------------------------------------------------------------------ masks */
 
 /* OR into `mask` the tokens of trie nodes [first, end) (a node's subtree follows it) whose bytes
- * continue (lexer, s); the walk crosses lexeme boundaries by parsing tentatively. */
+ * continue (lexer, s), lexer a lexer state or RUDDER_GM_BOUNDARY; the walk crosses lexeme
+ * boundaries by parsing tentatively, and hands the subtree where a %json value begins over to
+ * json_subtree. */
 static void walk_range(rudder_grammar *g, uint32_t *mask, uint32_t first, uint32_t end, uint32_t lexer, uint32_t s) {
     const uint32_t *nodes = rudder_trie_get()->nodes;
     uint32_t *ends = g->we, *lexs = g->wl, *sets = g->ws;
@@ -951,6 +1273,11 @@ static void walk_range(rudder_grammar *g, uint32_t *mask, uint32_t first, uint32
         uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1], s2 = sets[depth];
         uint32_t l = step_byte(g, &s2, lexs[depth], (uint8_t)w0, false);
         if (l == RUDDER_DEAD) {
+            i += size;
+            continue;
+        }
+        if (is_json(l)) {
+            json_subtree(g, mask, l - JSON_LEX0, s2, i);
             i += size;
             continue;
         }
@@ -971,8 +1298,10 @@ static void walk_range(rudder_grammar *g, uint32_t *mask, uint32_t first, uint32
  * begins again after a lexeme of ignored terminals (the parse does not change there). Kept:
  * the tokens that stay inside this lexeme or continue after ignored ones; their first bytes;
  * the trie nodes below the root where a lexeme of real terminals ends (the node's byte cannot
- * extend the accepting state before it) as pairs (node, state). Where L itself accepts real
- * terminals, every root child it cannot continue is such an end too (not listed: fill_from). */
+ * extend the accepting state before it) as pairs (node, state), and those where an ignored one
+ * ends before a byte that could begin a %json value (whether one may: the set's to say).
+ * Where L itself accepts, every root child it cannot continue is such an end too (not listed:
+ * fill_from). */
 typedef struct lexer_info {
     uint32_t lexer, restart;
     uint32_t *mask;
@@ -1016,9 +1345,15 @@ static const lexer_info *info_of(rudder_grammar *g, uint32_t L, uint32_t restart
             depth--;
         uint32_t w0 = nodes[2 * i], size = nodes[2 * i + 1], p = lexs[depth];
         uint32_t l = rudder_rx_push(g->rx, p, (uint8_t)w0);
-        if (l == RUDDER_DEAD && accepts_only_ignored(g, p))
-            l = rudder_rx_push(g->rx, restart, (uint8_t)w0);   /* skipped: the next lexeme begins */
-        else if (l == RUDDER_DEAD && depth > 0 && rudder_rx_accepting(g->rx, p)) {
+        bool end = false;
+        if (l == RUDDER_DEAD && accepts_only_ignored(g, p)) {
+            if (restart != RUDDER_DEAD)   /* skipped: the next lexeme begins */
+                l = rudder_rx_push(g->rx, restart, (uint8_t)w0);
+            end = l == RUDDER_DEAD && bit(g->jfirst, w0 & 255);
+        } else if (l == RUDDER_DEAD && rudder_rx_accepting(g->rx, p)) {
+            end = true;
+        }
+        if (end && depth > 0) {
             GROW(list, n_list, cap_list, n_list + 2);
             list[n_list++] = i;
             list[n_list++] = p;
@@ -1052,9 +1387,8 @@ static void fill_ends(rudder_grammar *g, uint32_t *mask, const lexer_info *info,
     const uint32_t *nodes = rudder_trie_get()->nodes;
     for (uint32_t k = 0; k < info->n_ends; k++) {
         uint32_t i = info->ends[2 * k], c = lexeme_end(g, s, info->ends[2 * k + 1], false);
-        uint32_t st = c == NONE ? RUDDER_DEAD : set_start(g, c);
-        if (st != RUDDER_DEAD)
-            walk_range(g, mask, i, i + nodes[2 * i + 1], st, c);
+        if (c != NONE)
+            walk_range(g, mask, i, i + nodes[2 * i + 1], RUDDER_GM_BOUNDARY, c);
     }
 }
 
@@ -1069,11 +1403,16 @@ static void fill_from(rudder_grammar *g, uint32_t *mask, uint32_t L, uint32_t s)
     for (uint32_t w = 0; w < words; w++)
         mask[w] |= info->mask[w];
     fill_ends(g, mask, info, s);
+    uint32_t c = lexeme_end(g, s, L, false);   /* (s itself after ignored text) */
+    if (c == NONE)
+        return;
+    if (g->n_json)
+        json_roots(g, mask, c, info->first);
     if (accepts_only_ignored(g, L))
         return;   /* the info's walk went on after this lexeme already */
     /* Tokens that end a lexeme of real terminals at their first byte: they begin the next
      * lexeme. When no first byte could do both, that is the next start state's own info. */
-    uint32_t c = lexeme_end(g, s, L, false), st = c == NONE ? RUDDER_DEAD : set_start(g, c);
+    uint32_t st = set_start(g, c);
     if (st == RUDDER_DEAD)
         return;
     uint32_t at = (uint32_t)(info - g->infos);
@@ -1094,27 +1433,219 @@ static void fill_from(rudder_grammar *g, uint32_t *mask, uint32_t L, uint32_t s)
             walk_range(g, mask, i, i + t->nodes[2 * i + 1], st, c);
 }
 
+/* OR in the tokens that begin after set c. */
+static void fill_boundary(rudder_grammar *g, uint32_t *mask, uint32_t c) {
+    uint32_t st = set_start(g, c);
+    if (st != RUDDER_DEAD)
+        fill_from(g, mask, st, c);
+    if (g->n_json)
+        json_roots(g, mask, c, NULL);
+}
+
+static void clear_subtree(uint32_t *mask, uint32_t i) {
+    const uint32_t *nodes = rudder_trie_get()->nodes;
+    for (uint32_t end = i + nodes[2 * i + 1]; i < end; i++)
+        if (nodes[2 * i] >> 8)
+            rudder_mask_clear(mask, (nodes[2 * i] >> 8) - 1);
+}
+
+/* Inside a %json value: the tokens of trie nodes [first, end) that continue. Those the JSON
+ * engine allows, or, where the value is complete, those that begin after it; then the
+ * candidates (the value may end inside them) checked one by one. */
+static void json_fill(rudder_grammar *g, uint32_t *mask, uint32_t first, uint32_t end) {
+    const rudder_trie *t = rudder_trie_get();
+    json_el *J = &g->json[g->lexer - JSON_LEX0];
+    rudder_engine *m = &J->m;
+    uint32_t s = g->n_real - 1, cp = json_anchor(g), d = g_depth[first] - 1u, c = NONE;
+    uint32_t take[8] = {0}, tried[8] = {0};
+    bool complete = m->accepting(m->self);
+    if (complete) {
+        for (const char *e = EXTENDERS; *e; e++)
+            if (json_takes(m, cp, (uint8_t)*e))
+                setbit(take, (uint8_t)*e);
+        c = lexeme_end(g, s, g->lexer, false);
+    }
+    if (!complete) {
+        m->walk(m->self, mask, first, end);
+    } else if (first == 1 && end == t->n_nodes) {
+        if (c != NONE)
+            fill_boundary(g, mask, c);
+        for (uint32_t b = 0; b < 256; b++)
+            if (bit(take, b) && g_root[b]) {
+                uint32_t r = g_root[b];
+                clear_subtree(mask, r);
+                m->walk(m->self, mask, r, r + t->nodes[2 * r + 1]);
+            }
+    } else {
+        for (uint32_t i = first; i < end; i += t->nodes[2 * i + 1]) {
+            uint32_t size = t->nodes[2 * i + 1];
+            if (bit(take, t->nodes[2 * i] & 255))
+                m->walk(m->self, mask, i, i + size);
+            else if (c != NONE)
+                walk_range(g, mask, i, i + size, RUDDER_GM_BOUNDARY, c);
+        }
+    }
+    for (uint32_t at = cands_from(J, first); at < J->n_cands && J->cands[2 * at] < end; at++) {
+        uint32_t tok = J->cands[2 * at + 1], len;
+        const uint8_t *b = rudder_token_bytes(tok, &len);
+        uint8_t b0 = b[d];
+        if (!complete && !bit(tried, b0)) {   /* (what the value cannot take, nothing allowed) */
+            setbit(tried, b0);
+            if (json_takes(m, cp, b0))
+                setbit(take, b0);
+        }
+        if (!bit(take, b0))
+            continue;   /* the walks above were exact there */
+        rudder_mask_clear(mask, tok);
+        if (sim_bytes(g, s, g->lexer, m, b + d, len - d))
+            rudder_mask_set(mask, tok);
+        m->restore(m->self, cp);
+    }
+}
+
 uint32_t rudder_gm_fill_mask(rudder_grammar *g, uint32_t *mask) {
     drop_tentative(g);
-    uint32_t L = lexer_now(g), words = rudder_mask_words(), count = 0;
-    if (L == RUDDER_DEAD)
-        return 0;
-    fill_from(g, mask, L, g->n_real - 1);
+    uint32_t words = rudder_mask_words(), count = 0;
+    if (is_json(g->lexer)) {
+        json_fill(g, mask, 1, rudder_trie_get()->n_nodes);
+    } else {
+        uint32_t L = lexer_now(g), s = g->n_real - 1;
+        if (L != RUDDER_DEAD)
+            fill_from(g, mask, L, s);
+        if (g->lexer == RUDDER_GM_BOUNDARY && g->n_json)
+            json_roots(g, mask, s, NULL);
+    }
     drop_tentative(g);
     for (uint32_t w = 0; w < words; w++)
         count += (uint32_t)__builtin_popcount(mask[w]);
     return count;
 }
 
-/* The only byte that continues (lexer, *s), or -1. */
+/* ------------------------------------------------------------------ public: the parse */
+
+rudder_gm_pos rudder_gm_save(rudder_grammar *g) {
+    rudder_gm_pos p = {g->lexer, g->n_real, g->n_bytes, 0, NONE, 0};
+    if (is_json(g->lexer)) {
+        p.json_at = g->json_at;
+        p.json_cp = json_anchor(g);
+        p.json_epoch = g->json[g->lexer - JSON_LEX0].epoch;
+    }
+    return p;
+}
+
+void rudder_gm_restore(rudder_grammar *g, rudder_gm_pos pos) {
+    drop_tentative(g);
+    if (pos.n_sets == 0 || pos.n_sets > g->n_real || pos.n_bytes > g->n_bytes)
+        rudder_panic("rudder_gm_restore: not a position of this parse");
+    g->n_real = g->n_sets = pos.n_sets;
+    const eset *last = &g->sets[pos.n_sets - 1];
+    g->n_items = last->item0 + last->n_items;
+    g->lexer = pos.lexer;
+    g->n_bytes = pos.n_bytes;
+    g->jtop_ok = false;
+    if (is_json(pos.lexer)) {
+        json_el *J = &g->json[pos.lexer - JSON_LEX0];
+        g->json_at = pos.json_at;
+        if (pos.json_epoch == J->epoch) {
+            J->m.restore(J->m.self, pos.json_cp);
+            g->jtop = pos.json_cp;
+            g->jtop_ok = true;
+        } else {   /* the engine has begun another value since: replay this one */
+            json_reset(g, J);
+            if (!J->m.push(J->m.self, g->hist + pos.json_at, pos.n_bytes - pos.json_at))
+                rudder_panic("rudder_gm_restore: a %json value does not replay");
+        }
+    }
+}
+
+bool rudder_gm_push(rudder_grammar *g, const uint8_t *bytes, uint32_t len) {
+    if (!len)
+        return true;
+    drop_tentative(g);
+    rudder_gm_pos before = rudder_gm_save(g);
+    uint32_t s = g->n_real - 1, lex = g->lexer, at = g->n_bytes, i = 0;
+    g->hist = rudder_grow(g->hist, &g->cap_hist, at + len, 1);
+    memcpy(g->hist + at, bytes, len);
+    while (i < len) {
+        if (is_json(lex)) {
+            json_el *J = &g->json[lex - JSON_LEX0];
+            rudder_engine *m = &J->m;
+            if (!m->accepting(m->self)) {   /* the value cannot end before its next closing byte */
+                uint32_t k = i;
+                while (k < len && !bit(J->closers, bytes[k]))
+                    k++;
+                k = k < len ? k + 1 : len;
+                if (!m->push(m->self, bytes + i, k - i))
+                    goto fail;
+                g->jtop_ok = false;
+                i = k;
+                continue;
+            }
+            if (!(J->flexible && is_ws(bytes[i])) && m->push(m->self, bytes + i, 1)) {
+                g->jtop_ok = false;
+                i++;
+                continue;
+            }
+            uint32_t c = lexeme_end(g, s, lex, true);   /* the value is complete: it ends */
+            g->n_real = g->n_sets;
+            if (c == NONE)
+                goto fail;
+            s = c;
+            lex = RUDDER_GM_BOUNDARY;
+        }
+        uint32_t l = step_byte(g, &s, lex, bytes[i], true);
+        g->n_real = g->n_sets;   /* sets built while committing are real */
+        if (l == RUDDER_DEAD)
+            goto fail;
+        if (is_json(l)) {
+            json_el *J = &g->json[l - JSON_LEX0];
+            json_reset(g, J);
+            J->m.push(J->m.self, bytes + i, 1);
+            g->json_at = at + i;
+        }
+        lex = l;
+        i++;
+    }
+    g->lexer = lex;
+    g->n_bytes = at + len;
+    return true;
+fail:
+    rudder_gm_restore(g, before);
+    return false;
+}
+
+static bool accepting_at(rudder_grammar *g, uint32_t s, uint32_t lexer) {
+    if (lexer == RUDDER_GM_BOUNDARY)
+        return g->sets[s].accepts;
+    if (is_json(lexer)) {
+        rudder_engine *m = &g->json[lexer - JSON_LEX0].m;
+        if (!m->accepting(m->self))
+            return false;
+    }
+    uint32_t c = lexeme_end(g, s, lexer, false);
+    return c != NONE && g->sets[c].accepts;
+}
+
+bool rudder_gm_accepting(rudder_grammar *g) {
+    bool ok = accepting_at(g, g->n_real - 1, g->lexer);
+    drop_tentative(g);
+    return ok;
+}
+
+/* The only byte that continues (lexer, s), lexer a lexer state or RUDDER_GM_BOUNDARY, or -1
+ * (also when it begins a %json value without fast-forward). */
 static int32_t only_byte(rudder_grammar *g, uint32_t s, uint32_t lexer) {
-    if (!rudder_rx_accepting(g->rx, lexer))
+    if (lexer != RUDDER_GM_BOUNDARY && !rudder_rx_accepting(g->rx, lexer))
         return rudder_rx_forced_byte(g->rx, lexer);
+    if (lexer == RUDDER_GM_BOUNDARY && !json_expected(g, s)) {
+        uint32_t st = set_start(g, s);
+        return st == RUDDER_DEAD ? -1 : rudder_rx_forced_byte(g->rx, st);
+    }
     int32_t found = -1;
     for (uint32_t b = 0; b < 256; b++) {
-        uint32_t s2 = s;
-        if (step_byte(g, &s2, lexer, (uint8_t)b, false) != RUDDER_DEAD) {
-            if (found >= 0)
+        uint32_t s2 = s, l = step_byte(g, &s2, lexer, (uint8_t)b, false);
+        if (l != RUDDER_DEAD) {
+            if (found >= 0 || (is_json(l) && !g->json[l - JSON_LEX0].ff))
                 return -1;
             found = (int32_t)b;
         }
@@ -1124,9 +1655,15 @@ static int32_t only_byte(rudder_grammar *g, uint32_t s, uint32_t lexer) {
 
 bool rudder_gm_can_continue(rudder_grammar *g) {
     drop_tentative(g);
-    uint32_t s = g->n_real - 1, lex = lexer_now(g);
+    uint32_t s = g->n_real - 1, lex = g->lexer;
     bool any = false;
-    for (uint32_t b = 0; b < 256 && !any && lex != RUDDER_DEAD; b++) {
+    if (is_json(lex)) {
+        rudder_engine *m = &g->json[lex - JSON_LEX0].m;
+        any = !m->accepting(m->self) || json_can_extend(m, json_anchor(g));
+        s = any ? s : lexeme_end(g, s, lex, false);
+        lex = RUDDER_GM_BOUNDARY;
+    }
+    for (uint32_t b = 0; b < 256 && !any && s != NONE; b++) {
         uint32_t s2 = s;
         any = step_byte(g, &s2, lex, (uint8_t)b, false) != RUDDER_DEAD;
     }
@@ -1136,19 +1673,41 @@ bool rudder_gm_can_continue(rudder_grammar *g) {
 
 uint32_t rudder_gm_forced(rudder_grammar *g, uint8_t *dst, uint32_t cap) {
     drop_tentative(g);
-    uint32_t s = g->n_real - 1, lex = g->lexer, n = 0;
-    while (n < cap && !accepting_at(g, s, lex)) {
-        if (lex == RUDDER_GM_BOUNDARY)
-            lex = set_start(g, s);
-        if (lex == RUDDER_DEAD)
+    rudder_gm_pos start = rudder_gm_save(g);
+    uint32_t n = 0;
+    while (n < cap) {   /* forced bytes are pushed, then the parse goes back */
+        uint32_t s = g->n_real - 1;
+        if (accepting_at(g, s, g->lexer))
             break;
-        int32_t b = only_byte(g, s, lex);
+        int32_t b;
+        if (is_json(g->lexer)) {
+            json_el *J = &g->json[g->lexer - JSON_LEX0];
+            rudder_engine *m = &J->m;
+            if (!J->ff)
+                break;
+            if (!m->accepting(m->self)) {
+                uint32_t k = m->forced(m->self, dst + n, cap - n);
+                if (!k || !rudder_gm_push(g, dst + n, k))
+                    break;
+                n += k;
+                continue;
+            }
+            if (json_can_extend(m, json_anchor(g)))
+                break;
+            uint32_t c = lexeme_end(g, s, g->lexer, false);
+            b = c == NONE ? -1 : only_byte(g, c, RUDDER_GM_BOUNDARY);
+        } else {
+            b = only_byte(g, s, g->lexer);
+        }
+        drop_tentative(g);
         if (b < 0)
             break;
-        dst[n++] = (uint8_t)b;
-        lex = step_byte(g, &s, lex, (uint8_t)b, false);
+        dst[n] = (uint8_t)b;
+        if (!rudder_gm_push(g, dst + n, 1))
+            break;
+        n++;
     }
-    drop_tentative(g);
+    rudder_gm_restore(g, start);
     return n;
 }
 
@@ -1182,9 +1741,10 @@ static uint32_t e_walk(void *self, uint32_t *mask, uint32_t first, uint32_t end)
     if (first == 1 && end == rudder_trie_get()->n_nodes)
         return rudder_gm_fill_mask(g, mask);
     drop_tentative(g);
-    uint32_t L = lexer_now(g);
-    if (L != RUDDER_DEAD)
-        walk_range(g, mask, first, end, L, g->n_real - 1);
+    if (is_json(g->lexer))
+        json_fill(g, mask, first, end);
+    else
+        walk_range(g, mask, first, end, g->lexer, g->n_real - 1);
     drop_tentative(g);
     return rudder_mask_count(mask);
 }
@@ -1205,7 +1765,6 @@ rudder_engine rudder_gm_engine(rudder_grammar *g) {
                            .save = e_save, .restore = e_restore, .accepting = e_accepting, .walk = e_walk,
                            .forced = e_forced, .key = e_key};
 }
-
 /* ------------------------------------------------------------------ compile */
 
 void rudder_gm_free(rudder_grammar *g) {
@@ -1218,8 +1777,14 @@ void rudder_gm_free(rudder_grammar *g) {
         rudder_free(g->infos[i].ends);
     }
     rudder_free(g->infos);
+    for (uint32_t k = 0; k < g->n_json; k++) {   /* (the JSON engines have no free: they go with the instance) */
+        rudder_free(g->json[k].text);
+        rudder_free(g->json[k].bits);
+        rudder_free(g->json[k].cands);
+    }
     void *blocks[] = {g->ignore, g->syms, g->lhs, g->nt_rules, g->nt_off, g->nullable, g->sets, g->expect,
-                      g->items, g->hash, g->hstamp, g->pred, g->children, g->tmp, g->wl, g->ws, g->we};
+                      g->items, g->hash, g->hstamp, g->pred, g->children, g->tmp, g->wl, g->ws, g->we,
+                      g->json, g->jbits, g->hist};
     for (uint32_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
         rudder_free(blocks[i]);
     rudder_free(g);
@@ -1284,6 +1849,205 @@ static bool check_rules(front *f, bnf *b, uint8_t *nullable) {
     rudder_free(done);
     rudder_free(reach);
     return ok;
+}
+
+/* Compile each %json element's schema and find what its values may begin and end with, and the
+ * tokens inside which a value may end. */
+static bool setup_json(front *f, terms *ts, rudder_grammar *g) {
+    trie_tables();
+    g->json = rudder_zalloc(g->n_json * sizeof(json_el) + 1);
+    for (uint32_t i = 0, k = 0; i < ts->n_terms; i++) {
+        term *tm = &ts->terms[i];
+        if (!tm->json)
+            continue;
+        json_el *J = &g->json[k];
+        char jerr[400];
+        rudder_js *js = rudder_js_compile(tm->text.buf, tm->text.n, jerr, sizeof jerr);
+        if (!js) {
+            fail_at(f, tm->line, tm->col, "%json:", 0, 0);
+            msg_put(&f->err, " ", 1);
+            msg_put(&f->err, jerr, (uint32_t)strlen(jerr));
+            return false;
+        }
+        *J = (json_el){.term = i, .line = tm->line, .col = tm->col, .m = rudder_js_engine(js), .ff = rudder_js_ff(js)};
+        J->text = rudder_xalloc(tm->text.n);
+        memcpy(J->text, tm->text.buf, tm->text.n);
+        J->len = tm->text.n;
+        J->bits = rudder_zalloc(g->tw * 4);
+        setbit(J->bits, i);
+        setbit(g->jbits, i);
+        J->m.save(J->m.self);   /* checkpoint 0: the start of a value */
+        J->flexible = json_takes(&J->m, 0, ' ');
+        for (const char *c = "{[\"-0123456789tfn"; *c; c++)   /* how JSON values begin */
+            if (json_takes(&J->m, 0, (uint8_t)*c))
+                setbit(J->first, (uint8_t)*c);
+        /* a JSON value ends with the byte that goes with how it begins (a number: a digit) */
+        static const char *const ends[] = {"{}", "[]", "\"\"", "te", "fe", "nl"};
+        for (uint32_t e = 0; e < 6; e++)
+            if (bit(J->first, (uint8_t)ends[e][0]))
+                setbit(J->closers, (uint8_t)ends[e][1]);
+        for (const char *c = "-0123456789"; *c; c++)
+            if (bit(J->first, (uint8_t)*c))
+                for (uint32_t d = '0'; d <= '9'; d++)
+                    setbit(J->closers, d);
+        for (uint32_t w = 0; w < 8; w++)
+            g->jfirst[w] |= J->first[w];
+        closer_tokens(J);
+        k++;
+    }
+    return true;
+}
+
+/* How a terminal reads in a message. */
+static void say_term(front *f, terms *ts, uint32_t i) {
+    term *t = &ts->terms[i];
+    if (t->def != NONE) {
+        msg_put(&f->err, "terminal ", 9);
+        msg_put(&f->err, f->text + f->defs[t->def].off, f->defs[t->def].len);
+    } else if (t->json) {
+        msg_put(&f->err, "the %json at ", 13);
+        msg_uint(&f->err, t->line);
+        msg_put(&f->err, ":", 1);
+        msg_uint(&f->err, t->col);
+    } else {
+        msg_put(&f->err, t->literal ? "\"" : "/", 1);
+        msg_put(&f->err, t->text.buf, t->text.n < 40 ? t->text.n : 40);
+        msg_put(&f->err, t->literal ? "\"" : "/", 1);
+    }
+}
+
+/* The first other terminal of `group` that can begin with a byte %json terminal j can, or NONE. */
+static uint32_t competitor(const rudder_grammar *g, const uint32_t *group, const uint32_t *bytes, uint32_t j) {
+    for (uint32_t o = 0; o < g->n_terms; o++)
+        if (o != j && bit(group, o))
+            for (uint32_t w = 0; w < 8; w++)
+                if (bytes[8 * j + w] & bytes[8 * o + w])
+                    return o;
+    return NONE;
+}
+
+/* May terminals x and y match the same text? (Two regexes might; a literal only what it is.) */
+static bool may_share(rudder_grammar *g, terms *ts, uint32_t x, uint32_t y) {
+    term *a = &ts->terms[x], *b = &ts->terms[y];
+    if (x == y)
+        return true;
+    if (a->json || b->json)
+        return false;   /* (a %json value never competes: check_json) */
+    if (a->literal && b->literal)
+        return a->text.n == b->text.n && memcmp(a->text.buf, b->text.buf, a->text.n) == 0;
+    if (!a->literal && !b->literal)
+        return true;
+    term *lit = a->literal ? a : b;
+    memset(g->tmp, 0, g->tw * 4);
+    setbit(g->tmp, a->literal ? y : x);
+    uint32_t st = rudder_rx_push_bytes(g->rx, rudder_rx_start(g->rx, g->tmp), (const uint8_t *)lit->text.buf, lit->text.n);
+    return st != RUDDER_DEAD && rudder_rx_accepting(g->rx, st);
+}
+
+/* Where a %json value may begin, no other lexeme may begin with the same byte: the first byte
+ * tells them apart, so the lexer never runs a JSON value beside other readings. Which terminals
+ * may be expected at one boundary is over-approximated with FIRST and FOLLOW sets: those that
+ * may come first, and those that may come next after a terminal (or after either of two
+ * terminals that may match the same text); ignored terminals may come at any boundary but the
+ * first. Refused at compile time, naming both. */
+static bool check_json(front *f, terms *ts, rudder_grammar *g) {
+    uint32_t T = g->n_terms, tw = g->tw, N = g->n_nt;
+    uint32_t *fst = rudder_zalloc((size_t)N * tw * 4 + 4), *fol = rudder_zalloc((size_t)N * tw * 4 + 4);
+    uint32_t *next = rudder_zalloc((size_t)T * tw * 4), *bytes = rudder_zalloc((size_t)T * 32);
+    uint32_t *acc = rudder_xalloc(tw * 4), *group = rudder_xalloc(tw * 4);
+    for (uint32_t i = 0; i < T; i++) {   /* the bytes each terminal can begin with */
+        memset(g->tmp, 0, tw * 4);
+        setbit(g->tmp, i);
+        memcpy(bytes + 8 * i, rudder_rx_live_bytes(g->rx, rudder_rx_start(g->rx, g->tmp)), 32);
+    }
+    for (uint32_t k = 0; k < g->n_json; k++)
+        memcpy(bytes + 8 * g->json[k].term, g->json[k].first, 32);
+    for (bool changed = true; changed;) {   /* FIRST of each nonterminal */
+        changed = false;
+        for (uint32_t r = 0, at = 0; r < g->n_rules; r++, at++) {
+            uint32_t *to = fst + g->lhs[r] * tw;
+            for (bool more = true; !(g->syms[at] & END_BIT); at++) {
+                uint32_t x = g->syms[at];
+                if (!more)
+                    continue;
+                if (x < T) {
+                    changed |= !bit(to, x);
+                    setbit(to, x);
+                    more = false;
+                    continue;
+                }
+                for (uint32_t w = 0; w < tw; w++) {
+                    changed |= (fst[(x - T) * tw + w] & ~to[w]) != 0;
+                    to[w] |= fst[(x - T) * tw + w];
+                }
+                more = g->nullable[x - T];
+            }
+        }
+    }
+    for (bool changed = true; changed;) {   /* FOLLOW of nonterminals, NEXT of terminals */
+        changed = false;
+        for (uint32_t r = 0, at = 0; r < g->n_rules; r++) {
+            uint32_t end = at;
+            while (!(g->syms[end] & END_BIT))
+                end++;
+            memcpy(acc, fol + g->lhs[r] * tw, tw * 4);   /* what may come after the rest of the body */
+            for (uint32_t p = end; p-- > at;) {
+                uint32_t x = g->syms[p], *to = x < T ? next + x * tw : fol + (x - T) * tw;
+                for (uint32_t w = 0; w < tw; w++) {
+                    changed |= (acc[w] & ~to[w]) != 0;
+                    to[w] |= acc[w];
+                }
+                if (x < T) {
+                    memset(acc, 0, tw * 4);
+                    setbit(acc, x);
+                } else {
+                    for (uint32_t w = 0; w < tw; w++)
+                        acc[w] = fst[(x - T) * tw + w] | (g->nullable[x - T] ? acc[w] : 0);
+                }
+            }
+            at = end + 1;
+        }
+    }
+    /* the groups: FIRST(start), then NEXT(x) | NEXT(y) | ignored for x, y that may share a text */
+    uint32_t j = NONE, o = NONE;
+    for (uint32_t x = 0; x <= T && o == NONE; x++)
+        for (uint32_t y = x == T ? 0 : x; y < T && o == NONE; y++) {
+            bool any = false;
+            for (uint32_t w = 0; w < tw; w++) {
+                group[w] = x == T ? fst[g->start_nt * tw + w] : next[x * tw + w] | next[y * tw + w] | g->ignore[w];
+                any |= (group[w] & g->jbits[w]) != 0;
+            }
+            if (!any || (x < T && !may_share(g, ts, x, y)))
+                continue;
+            for (uint32_t k = 0; k < g->n_json && o == NONE; k++)
+                if (bit(group, g->json[k].term))
+                    o = competitor(g, group, bytes, j = g->json[k].term);
+            if (x == T)
+                break;
+        }
+    if (o != NONE) {
+        uint32_t c = 0;
+        while (!((bytes[8 * j + c / 32] & bytes[8 * o + c / 32]) >> (c % 32) & 1))
+            c++;
+        fail_at(f, ts->terms[j].line, ts->terms[j].col, "%json may begin where", 0, 0);
+        msg_put(&f->err, " ", 1);
+        say_term(f, ts, o);
+        msg_put(&f->err, " may too, and both can begin with ", 34);
+        if (c > 0x20 && c < 0x7f) {
+            char ch = (char)c;
+            msg_put(&f->err, "'", 1);
+            msg_put(&f->err, &ch, 1);
+            msg_put(&f->err, "'", 1);
+        } else {
+            msg_put(&f->err, "byte ", 5);
+            msg_uint(&f->err, c);
+        }
+        msg_put(&f->err, " (the first byte must tell them apart)", 38);
+    }
+    void *blocks[] = {fst, fol, next, bytes, acc, group};
+    for (uint32_t i = 0; i < 6; i++)
+        rudder_free(blocks[i]);
+    return o == NONE;
 }
 
 rudder_grammar *rudder_gm_new(const char *text, uint32_t len, char *err, uint32_t err_cap) {
@@ -1376,8 +2140,9 @@ rudder_grammar *rudder_gm_new(const char *text, uint32_t len, char *err, uint32_
         goto fail;
     /* the lexer: one pattern per terminal, none may match the empty string */
     rudder_rx_pattern *pats = rudder_xalloc(ts.n_terms * sizeof *pats);
-    for (uint32_t i = 0; i < ts.n_terms; i++)
-        pats[i] = (rudder_rx_pattern){ts.terms[i].text.buf, ts.terms[i].text.n, ts.terms[i].literal};
+    for (uint32_t i = 0; i < ts.n_terms; i++)   /* (a %json terminal's pattern is never started) */
+        pats[i] = ts.terms[i].json ? (rudder_rx_pattern){"\xff", 1, true}
+                                   : (rudder_rx_pattern){ts.terms[i].text.buf, ts.terms[i].text.n, ts.terms[i].literal};
     char rxerr[160];
     g->rx = rudder_rx_new(pats, ts.n_terms, rxerr, sizeof rxerr);
     rudder_free(pats);
@@ -1390,7 +2155,11 @@ rudder_grammar *rudder_gm_new(const char *text, uint32_t len, char *err, uint32_
     }
     g->ignore = rudder_zalloc(g->tw * 4);
     g->tmp = rudder_zalloc(g->tw * 4);
+    g->jbits = rudder_zalloc(g->tw * 4);
     for (uint32_t i = 0; i < ts.n_terms; i++) {
+        g->n_json += ts.terms[i].json;
+        if (ts.terms[i].json)
+            continue;
         memset(g->tmp, 0, g->tw * 4);
         setbit(g->tmp, i);
         uint32_t st = rudder_rx_start(g->rx, g->tmp);
@@ -1437,7 +2206,7 @@ rudder_grammar *rudder_gm_new(const char *text, uint32_t len, char *err, uint32_
     g->wl = rudder_xalloc(4 * (g->max_depth + 2));
     g->ws = rudder_xalloc(4 * (g->max_depth + 2));
     g->we = rudder_xalloc(4 * (g->max_depth + 2));
-    if (!g->nullable || !g->ignore || !g->tmp || !g->nt_off || !g->pred || !g->hstamp || !g->children)
+    if (!g->nullable || !g->ignore || !g->tmp || !g->jbits || !g->nt_off || !g->pred || !g->hstamp || !g->children)
         rudder_panic("grammar: out of memory");
     g->imask = 4095;
     g->islots = rudder_xalloc((g->imask + 1) * 4);
@@ -1446,6 +2215,12 @@ rudder_grammar *rudder_gm_new(const char *text, uint32_t len, char *err, uint32_
     for (uint32_t i = 0; i < b.n_syms; i++)
         if (g->syms[i] < g->n_terms && bit(g->ignore, g->syms[i]))
             g->skip_ok = false;
+    if (g->n_json > MAX_JSON) {
+        fail_at(&f, 0, 0, "too many %json elements", 0, 0);
+        goto fail;
+    }
+    if (g->n_json && (!setup_json(&f, &ts, g) || !check_json(&f, &ts, g)))
+        goto fail;
     build_set(g, NONE, 0);
     g->n_real = g->n_sets;
     g->lexer = RUDDER_GM_BOUNDARY;

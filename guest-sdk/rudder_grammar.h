@@ -7,11 +7,13 @@
  *
  * One rudder_grammar holds the compiled grammar *and* one parse: the bytes pushed so far. The
  * parse position is a small value (rudder_gm_pos) that can be saved and restored, so keeping one
- * per generated token makes backtracking free.
+ * per generated token makes backtracking cheap.
  *
  * Lexing is greedy (maximal munch): a lexeme goes on while the next byte can extend one of the
  * terminals the parser allows here; it ends when the next byte cannot extend it and it matches
- * a terminal; all terminals it matches are offered to the parser together.
+ * a terminal; all terminals it matches are offered to the parser together. A `%json {...}`
+ * element is a terminal whose lexemes are JSON values valid against the schema, matched by the
+ * JSON Schema engine (rudder_jsonschema.h) embedded in the lexer.
  */
 #ifndef RUDDER_GRAMMAR_H
 #define RUDDER_GRAMMAR_H
@@ -26,19 +28,29 @@ extern "C" {
 typedef struct rudder_grammar rudder_grammar;
 
 /* Where a parse stands: the lexer state inside the current lexeme (RUDDER_GM_BOUNDARY: none
- * begun) and the number of lexemes + 1 the parser has seen. Plain data: copy it freely. */
+ * begun), the number of lexemes + 1 the parser has seen, the bytes pushed; inside a %json value,
+ * where it began and a checkpoint of the JSON engine (replayed from the bytes when the engine
+ * has begun another value since). Positions are checkpoints: they follow a stack discipline
+ * (restoring one makes those saved after it invalid). */
 typedef struct rudder_gm_pos {
     uint32_t lexer;
     uint32_t n_sets;
+    uint32_t n_bytes;
+    uint32_t json_at, json_cp, json_epoch;
 } rudder_gm_pos;
 #define RUDDER_GM_BOUNDARY 0xfffffffdu
+
+/* Request-independent tables (the token trie's shape, the JSON engine's token classes, for
+ * %json); call once from controller_init, so that they land in the host's snapshot (optional:
+ * done on first use otherwise). */
+void rudder_gm_init_tables(void);
 
 /* Compile grammar text. On error returns NULL and writes a one-line message ("line:col: ...")
  * into err[0..err_cap). The parse starts at the beginning of a sentence. */
 rudder_grammar *rudder_gm_new(const char *text, uint32_t len, char *err, uint32_t err_cap);
 void rudder_gm_free(rudder_grammar *g);
 
-rudder_gm_pos rudder_gm_save(const rudder_grammar *g);
+rudder_gm_pos rudder_gm_save(rudder_grammar *g);
 /* Go back to a position saved earlier on this parse (later positions become invalid). */
 void rudder_gm_restore(rudder_grammar *g, rudder_gm_pos pos);
 
