@@ -84,7 +84,7 @@ typedef struct bundle {
     conj *prefix;
     uint32_t n_prefix;
     conj items;
-    bool no_items, has_contains;
+    bool no_items, items_set, has_contains;   /* items_set: some part set items (after a prefix) */
     conj contains;
     uint32_t min_contains, min_items, max_items;
     /* string */
@@ -147,6 +147,8 @@ typedef struct comp {
     uint32_t n_rxs, cap_rxs;
     uint32_t work, depth;
     bool old_ref;            /* draft 4-7: $ref ignores its siblings */
+    bool forbid;             /* "x-rudder-undeclared": "forbid": objects and tuples generate what they name */
+    bool strict;             /* "x-rudder-strict": what is relaxed is refused */
     const rudder_jv *root_id;
     bundle any;
     sbuf *enum_pats;         /* the regex sources of enums of strings (jnode.enum_pat) */
@@ -268,6 +270,27 @@ static bool fail_at(comp *c, const rudder_jv *where, const char *what, const cha
 static bool fail(comp *c, const rudder_jv *where, const char *what) { return fail_at(c, where, what, NULL, 0, false); }
 static bool fail_kw(comp *c, const rudder_jv *where, const char *what, const char *kw) {
     return fail_at(c, where, what, kw, (uint32_t)strlen(kw), false);
+}
+
+/* Strict mode's refusal of what it would otherwise relax: "strict: "<kw>"[ <value>] <why> at
+ * <path>" (value: the keyword's string value, e.g. the format's name). */
+static bool fail_strict(comp *c, const rudder_jv *where, const char *kw, const rudder_jv *value, const char *why) {
+    if (c->failed)
+        return false;
+    c->failed = true;
+    uint32_t n = 0;
+    put(c->err, c->cap, &n, "strict: \"", 9);
+    put(c->err, c->cap, &n, kw, (uint32_t)strlen(kw));
+    put(c->err, c->cap, &n, "\" ", 2);
+    if (value && value->type == RUDDER_JV_STRING) {
+        put(c->err, c->cap, &n, "\"", 1);
+        put(c->err, c->cap, &n, (const char *)value->str, value->n);
+        put(c->err, c->cap, &n, "\" ", 2);
+    }
+    put(c->err, c->cap, &n, why, (uint32_t)strlen(why));
+    put(c->err, c->cap, &n, " at ", 4);
+    path_of(c->doc, where, c->err, c->cap, &n);
+    return false;
 }
 
 static bool spend(comp *c, const rudder_jv *where, uint32_t units) {
@@ -710,6 +733,7 @@ static bundle *base_bundle(comp *c, const rudder_jv *s) {
     if (items) {
         if (!is_schema(items))
             return fail_kw(c, s, "must be a schema:", "items"), NULL;
+        b->items_set = true;
         if (items->type == RUDDER_JV_FALSE)
             b->no_items = true;
         else
@@ -730,6 +754,8 @@ static bundle *base_bundle(comp *c, const rudder_jv *s) {
     }
     if (!get_count(c, s, "minItems", &b->min_items) || !get_count(c, s, "maxItems", &b->max_items))
         return NULL;
+    if (c->strict && (v = get(s, "uniqueItems")) && v->type == RUDDER_JV_TRUE && b->max_items > 1)
+        return fail_strict(c, s, "uniqueItems", NULL, "is not enforced (an array with duplicates could be generated)"), NULL;
     /* string */
     if (!get_count(c, s, "minLength", &b->min_len) || !get_count(c, s, "maxLength", &b->max_len))
         return NULL;
@@ -740,8 +766,12 @@ static bundle *base_bundle(comp *c, const rudder_jv *s) {
         if (!regex_of(c, s, b->rx[0]))
             return NULL;
     }
-    if ((v = get(s, "format")) && v->type == RUDDER_JV_STRING && format_index(v) >= 0)   /* others: annotations */
-        b->rx[b->n_rx++] = (bregex){v, RX_FORMAT, false};
+    if ((v = get(s, "format"))) {
+        if (v->type == RUDDER_JV_STRING && format_index(v) >= 0)
+            b->rx[b->n_rx++] = (bregex){v, RX_FORMAT, false};
+        else if (c->strict)   /* (otherwise an annotation, as 2020-12 reads an unknown format) */
+            return fail_strict(c, s, "format", v, "is not enforced (not one of the formats docs/json-schema.md lists)"), NULL;
+    }
     /* number */
     if (!bounds(c, s, b))
         return NULL;
@@ -855,6 +885,7 @@ static bundle *merge(comp *c, const rudder_jv *where, const bundle *a, const bun
         }
         m->items = conj_and(c, a->items, b->items);
         m->no_items = a->no_items || b->no_items;
+        m->items_set = a->items_set || b->items_set;
         if (a->has_contains && b->has_contains)
             return fail(c, where, "contains in two schemas that apply together is not supported"), NULL;
         if (b->has_contains)
@@ -1267,6 +1298,72 @@ static dnf one(comp *c, bundle *b) {
     return (dnf){p, 1};
 }
 
+/* The JSON types a bundle's values can have (T_NUMBER: numbers with a fraction, T_INTEGER:
+ * integral ones). */
+static uint32_t value_types(const bundle *b) {
+    if (!b->has_enum)
+        return b->types;
+    uint32_t t = 0;
+    for (uint32_t i = 0; i < b->n_enum; i++)
+        t |= value_type(b->enums[i]);
+    return t & b->types;
+}
+
+static bool enums_apart(const bundle *x, const bundle *y) {
+    for (uint32_t i = 0; i < x->n_enum; i++)
+        for (uint32_t j = 0; j < y->n_enum; j++)
+            if (jv_equal(x->enums[i], y->enums[j]))
+                return false;
+    return true;
+}
+
+static dnf dnf_conj(comp *c, conj x);
+
+/* Can no value match both bundles, provably: different types, disjoint enums, or objects that
+ * both require a key whose values are enums/consts with nothing in common (a tagged union). */
+static bool bundles_apart(comp *c, const bundle *x, const bundle *y) {
+    uint32_t common = value_types(x) & value_types(y);
+    if (!common)
+        return true;
+    if (x->has_enum && y->has_enum)
+        return enums_apart(x, y);
+    if (common != T_OBJECT)
+        return false;
+    for (uint32_t i = 0; i < x->n_req; i++) {
+        bool both = false;
+        for (uint32_t j = 0; j < y->n_req && !both; j++)
+            both = str_eq(&x->req[i], &y->req[j]);
+        if (!both)
+            continue;
+        dnf dx = dnf_conj(c, value_of(c, x, &x->req[i], false)), dy = dnf_conj(c, value_of(c, y, &x->req[i], false));
+        bool apart = dx.n && dy.n;
+        for (uint32_t a = 0; a < dx.n && apart; a++)
+            for (uint32_t b = 0; b < dy.n && apart; b++)
+                apart = dx.b[a]->has_enum && dy.b[b]->has_enum && enums_apart(dx.b[a], dy.b[b]);
+        if (apart)
+            return true;
+    }
+    return false;
+}
+
+/* Strict mode: oneOf is generated like anyOf, which is exact only when no value can match two
+ * alternatives (each one taken with what applies beside it, `d`); otherwise refused. */
+static void one_of_apart(comp *c, const rudder_jv *s, dnf d, const rudder_jv *list) {
+    if (list->type != RUDDER_JV_ARRAY)
+        return;   /* (dnf_union says so) */
+    dnf *alts = aalloc(c, (list->n + 1) * sizeof(dnf));
+    for (uint32_t i = 0; i < list->n && !c->failed; i++)
+        alts[i] = product(c, s, d, dnf_of(c, &list->items[i]));
+    for (uint32_t i = 0; i < list->n && !c->failed; i++)
+        for (uint32_t j = i + 1; j < list->n && !c->failed; j++)
+            for (uint32_t a = 0; a < alts[i].n && !c->failed; a++)
+                for (uint32_t b = 0; b < alts[j].n && spend(c, s, 1); b++)
+                    if (!bundles_apart(c, alts[i].b[a], alts[j].b[b])) {
+                        fail_strict(c, s, "oneOf", NULL, "alternatives may overlap (neither their types nor a required const/enum key tells them apart)");
+                        return;
+                    }
+}
+
 static dnf dnf_of(comp *c, const rudder_jv *s) {
     dnf none = {0};
     if (c->failed || s->type == RUDDER_JV_FALSE)
@@ -1308,8 +1405,11 @@ static dnf dnf_of(comp *c, const rudder_jv *s) {
         d = product(c, s, d, base ? one(c, base) : none);
     if ((v = get(s, "anyOf")) && !c->failed)
         d = product(c, s, d, dnf_union(c, s, v, "anyOf"));
-    if ((v = get(s, "oneOf")) && !c->failed)   /* generated like anyOf (documented) */
+    if ((v = get(s, "oneOf")) && !c->failed) {   /* generated like anyOf (documented) */
+        if (c->strict)
+            one_of_apart(c, s, d, v);
         d = product(c, s, d, dnf_union(c, s, v, "oneOf"));
+    }
     if ((v = get(s, "not")) && !c->failed)
         d = product(c, s, d, not_of(c, s, v));
     if ((v = get(s, "if")) && !c->failed) {   /* (if and then) or (not if and else) */
@@ -1763,7 +1863,11 @@ static uint32_t lower_object(comp *c, uint32_t id, const bundle *b, const rudder
     /* extra keys: their names (propertyNames), patterns and values */
     if (names.n > 1)
         return fail(c, where, "propertyNames with alternatives (anyOf) is not supported"), NONE;
-    bool extras = !names_enum && (!b->no_add || b->n_pats);
+    /* forbid mode: an object that names keys, where no merged part said what other keys take,
+     * has those keys only (and keys matching its patterns), unless minProperties asks for more
+     * keys than it names */
+    bool closed = b->no_add || (c->forbid && !b->add_set && (b->n_props || b->n_pats || b->n_req) && b->min_props <= n);
+    bool extras = !names_enum && (!closed || b->n_pats);
     if (b->names.n && (names.n == 0 || !(names.b[0]->types & T_STRING)))
         extras = false;   /* no name can be a key */
     if (extras && names.n == 1) {
@@ -1785,7 +1889,7 @@ static uint32_t lower_object(comp *c, uint32_t id, const bundle *b, const rudder
         uint32_t subsets = 1u << b->n_pats, vals[1u << MAX_PATTERNS];
         for (uint32_t s = 0; s < subsets; s++) {
             conj v = s == 0 ? b->add : b->pats_add;
-            if (s == 0 && b->no_add) {
+            if (s == 0 && closed) {
                 vals[s] = NONE;
                 continue;
             }
@@ -1828,7 +1932,10 @@ static uint32_t lower_array(comp *c, uint32_t id, const bundle *b, const rudder_
     uint32_t *vals = aalloc(c, (n + 1) * 4);
     for (uint32_t i = 0; i < n && !c->failed; i++)
         vals[i] = lower(c, b->prefix[i], where);
-    uint32_t items = b->no_items ? NONE : lower(c, b->items, where);
+    /* forbid mode: a tuple (prefixItems) where no merged part set `items` ends after its
+     * prefix, unless minItems asks for more items than it lists */
+    bool closed = b->no_items || (c->forbid && !b->items_set && b->n_prefix && b->min_items <= b->n_prefix);
+    uint32_t items = closed ? NONE : lower(c, b->items, where);
     if (c->failed)
         return NONE;
     if (b->has_contains) {   /* each item: (items and contains), counted, or items */
@@ -2287,6 +2394,7 @@ rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t
     js->ff = true;
     comp c = {.js = js, .doc = doc, .err = err, .cap = cap};
     c.any = (bundle){.types = T_ALL, .max_props = NONE, .max_items = NONE, .max_len = NONE};
+    c.forbid = true;   /* (the default, also for a schema that is not an object) */
     c.dnf_mask = 63;
     c.dnfs = rudder_zalloc(64 * sizeof(dnf_slot));
     c.term_mask = 63;
@@ -2295,12 +2403,21 @@ rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t
         c.terms[i].node = NONE;
     if (doc->type == RUDDER_JV_OBJECT) {
         const rudder_jv *ws = get(doc, "x-rudder-whitespace"), *ff = get(doc, "x-rudder-ff"), *sch = get(doc, "$schema");
+        const rudder_jv *und = get(doc, "x-rudder-undeclared"), *strict = get(doc, "x-rudder-strict");
         if (ws && !rudder_jv_equal_str(ws, "compact") && !rudder_jv_equal_str(ws, "flexible"))
             fail(&c, doc, "x-rudder-whitespace must be \"compact\" or \"flexible\"");
         js->flexible = ws && rudder_jv_equal_str(ws, "flexible");
         if (ff && ff->type != RUDDER_JV_TRUE && ff->type != RUDDER_JV_FALSE)
             fail(&c, doc, "x-rudder-ff must be true or false");
         js->ff = !ff || ff->type == RUDDER_JV_TRUE;
+        if (und && !rudder_jv_equal_str(und, "forbid") && !rudder_jv_equal_str(und, "allow"))
+            fail(&c, doc, "x-rudder-undeclared must be \"forbid\" or \"allow\"");
+        if (strict && strict->type != RUDDER_JV_TRUE && strict->type != RUDDER_JV_FALSE)
+            fail(&c, doc, "x-rudder-strict must be true or false");
+        c.strict = strict && strict->type == RUDDER_JV_TRUE;
+        if (c.strict && und && rudder_jv_equal_str(und, "allow"))
+            fail(&c, doc, "x-rudder-undeclared \"allow\" contradicts x-rudder-strict (strict generates the declared properties only)");
+        c.forbid = !und || !rudder_jv_equal_str(und, "allow");
         if (sch && sch->type == RUDDER_JV_STRING)
             for (uint32_t i = 0; i + 8 <= sch->n && !c.old_ref; i++)
                 c.old_ref = !memcmp(sch->str + i, "draft-0", 7) && sch->str[i + 7] >= '4' && sch->str[i + 7] <= '7';

@@ -43,13 +43,18 @@ typedef struct {
 } frame;
 
 typedef struct {
-    uint8_t sp, lphase, u8need, u8lo, u8hi, neg, pad[2];
+    uint8_t sp, lphase, u8need, u8lo, u8hi, neg;
+    uint8_t ktag;              /* kh is the last extra key written, of the object of this frame (0: none) */
+    uint8_t pad;
     uint32_t len;              /* string, key: code points (saturated); number: digit counts */
     uint32_t hex;              /* \uXXXX accumulator */
     uint32_t mod;              /* number: value modulo multipleOf */
     uint32_t rx[STRING_RX];    /* string: its regexes' states; extra key: [0] patterns, [1] propertyNames */
-    uint32_t pad2;             /* (explicit: threads are compared as bytes) */
+    uint32_t keys;             /* the extra keys written in the open objects: a node of the key table (0: none) */
     double num;                /* number magnitude so far (bounded numbers only) */
+    uint64_t kh;               /* in an extra key: the hash of its decoded bytes so far; elsewhere (ktag) the
+                                * last extra key written, until the next key of an object with extra keys
+                                * opens and it joins `keys` */
     frame f[RUDDER_JS_MAX_DEPTH];
 } thread;
 
@@ -69,6 +74,28 @@ static void tlist_add(tlist *l, const thread *s) {
     tcopy(&l->t[l->n++], s);
 }
 
+/* The extra keys written so far, as a table of nodes shared by every thread of a request: a
+ * node is a key (its hash, and the frame index of its object) and the node of the keys
+ * written before it. Nodes are interned (equal sets written in the same
+ * order are one node), so a thread holds a set in 4 bytes and equal threads stay equal bytes.
+ * Nodes are never removed: a checkpoint and a cached answer stay valid. */
+typedef struct {
+    uint64_t kh;
+    uint64_t bloom;   /* a bit per key of its object written up to here (kbit): most lookups stop at it */
+    uint32_t up, tag;
+} knode;
+
+static inline uint64_t kbit(uint64_t kh) { return 1ull << (kh >> 58); }
+
+#ifndef RUDDER_JS_MAX_KEY_NODES
+#define RUDDER_JS_MAX_KEY_NODES (1u << 18)   /* past it the request fails (docs/json-schema.md) */
+#endif
+/* Keys are hashed as polynomials (mod 2^64), so that the hash of a key and some more bytes is
+ * one multiply and add from the key's own (key_dups). */
+#define KH_SEED 1ull
+#define KH_MUL 0x9e3779b97f4a7c15ull
+#define KH_STEP(h, c) ((h) * KH_MUL + (uint64_t)(c) + 1u)
+
 typedef struct js_matcher {
     thread *cur;          /* the current position: n_cur threads, sorted, distinct */
     uint32_t n_cur, cap_cur;
@@ -85,6 +112,17 @@ typedef struct js_matcher {
     thread *sorted;
     uint32_t cap_sorted;
     uint32_t dropped;     /* threads dropped at MAX_THREADS (for logs) */
+    knode *knodes;        /* the key table: knodes[0] is the empty set */
+    uint32_t n_knodes, cap_knodes, *kindex, kmask;
+    thread *dfs;          /* key_ahead's threads, one per depth */
+    uint16_t *dups;       /* e_key's scratch */
+    uint32_t cap_dups;
+    uint8_t *views;       /* e_key's keys_view of each thread */
+    uint32_t cap_views;
+    uint64_t *ext_h;      /* key_dups' scratch (g_n_ext each) */
+    uint16_t *ext_k;
+    uint8_t *ext_dup;
+    bool in_dfs;
 } js_matcher;
 
 static inline const jnode *N(const rudder_js *js, uint32_t id) { return &js->nodes[id]; }
@@ -717,6 +755,148 @@ static pset required_now(const rudder_js *js, const jnode *n, const frame *f) {
 static inline uint32_t next_prop(const frame *f) { return f->aux2 & 0x1ff; }
 static inline uint32_t written(const frame *f) { return (f->aux2 >> 18) & 0xff; }
 
+/* ------------------------------------------------------------------ extra keys written */
+
+/* No key twice in one object (RFC 8259: names SHOULD be unique; parsers keep one). Declared
+ * keys come once each by construction (in schema order); extra keys are remembered by hash in
+ * the thread (`keys`, `kh`) and one equal to a key written is refused at its closing quote. */
+
+static inline bool has_extras(const jnode *n) { return n->extra != NONE || n->n_rx; }
+
+/* Extra keys limited to a few names (propertyNames, a maximum length, patternProperties and
+ * nothing else): a key being written may have no way left to end but as one already written
+ * (key_ahead looks). Elsewhere one more character always leads on. */
+static inline bool restricted(const jnode *n) { return n->rx[1] || n->kmax != NONE || (n->extra == NONE && n->n_rx); }
+
+static inline uint32_t key_slot(uint64_t kh, uint32_t tag, uint32_t up) {
+    return (uint32_t)((kh ^ (up * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)tag << 40)) >> 32);
+}
+
+/* The node for key `kh` of the object of frame `tag`, written after the keys of node `up`
+ * (made when new). */
+static uint32_t key_node(js_matcher *m, uint64_t kh, uint32_t tag, uint32_t up) {
+    if (2 * (m->n_knodes + 1) > m->kmask + 1) {
+        uint32_t size = 2 * (m->kmask + 1);
+        rudder_free(m->kindex);
+        m->kindex = rudder_zalloc(size * 4);
+        if (!m->kindex)
+            rudder_panic("jsonschema: out of memory");
+        m->kmask = size - 1;
+        for (uint32_t i = 1; i < m->n_knodes; i++) {
+            uint32_t h = key_slot(m->knodes[i].kh, m->knodes[i].tag, m->knodes[i].up) & m->kmask;
+            while (m->kindex[h])
+                h = (h + 1) & m->kmask;
+            m->kindex[h] = i;
+        }
+    }
+    uint32_t h = key_slot(kh, tag, up) & m->kmask;
+    for (; m->kindex[h]; h = (h + 1) & m->kmask) {
+        const knode *k = &m->knodes[m->kindex[h]];
+        if (k->kh == kh && k->tag == tag && k->up == up)
+            return m->kindex[h];
+    }
+    if (m->n_knodes >= RUDDER_JS_MAX_KEY_NODES)
+        rudder_panic("json: too many distinct extra keys in one request (the engine's key table is full)");
+    m->knodes = rudder_grow(m->knodes, &m->cap_knodes, m->n_knodes + 1, sizeof(knode));
+    uint64_t bloom = kbit(kh) | (up && m->knodes[up].tag == tag ? m->knodes[up].bloom : 0);
+    m->knodes[m->n_knodes] = (knode){kh, bloom, up, tag};
+    m->kindex[h] = m->n_knodes;
+    return m->n_knodes++;
+}
+
+/* Has the object of the top frame written the extra key `kh` (pending: or is it kh, outside a
+ * key)? */
+static bool key_written(const rudder_js *js, const thread *s, uint64_t kh, bool pending) {
+    const knode *k = js->m->knodes;
+    uint32_t tag = s->sp - 1u;
+    if (pending && s->ktag == tag && s->kh == kh)
+        return true;
+    if (!s->keys || k[s->keys].tag != tag || !(k[s->keys].bloom & kbit(kh)))
+        return false;
+    for (uint32_t at = s->keys; at && k[at].tag == tag; at = k[at].up)
+        if (k[at].kh == kh)
+            return true;
+    return false;
+}
+
+/* Has the object of the top frame written an extra key? (`pending`: outside a key, where the
+ * last one is still in kh.) */
+static bool wrote_extra(const rudder_js *js, const thread *s, bool pending) {
+    uint32_t tag = s->sp - 1u;
+    return (s->keys && js->m->knodes[s->keys].tag == tag) || (pending && s->ktag == tag);
+}
+
+/* The object of the top frame closes: its keys leave the set. */
+static void keys_close(const rudder_js *js, thread *s, const jnode *n) {
+    if (!has_extras(n))
+        return;
+    uint32_t tag = s->sp - 1u;
+    const knode *k = js->m->knodes;
+    while (s->keys && k[s->keys].tag == tag)
+        s->keys = k[s->keys].up;
+    if (s->ktag == tag)
+        s->ktag = 0, s->kh = 0;
+}
+
+/* A key opens (after its quote): declared keys follow the trie; with `extras` it may be an
+ * extra key, and the last extra key written joins the set here rather than at its own end, so
+ * that the walks of a mask, which end many keys, make few nodes. */
+static void key_start(const rudder_js *js, thread *s, frame *f, const jnode *n, bool extras) {
+    f->phase = O_IN_KEY;
+    f->aux = n->n ? n->trie : NONE;   /* followed even past `next`: no duplicate keys */
+    f->flags = (uint8_t)((f->flags & F_COUNTS) | (extras ? F_EXTRAS : 0));
+    lex_reset(s);
+    s->lphase = SL_CHAR;
+    if (!extras)
+        return;
+    if (n->n_rx)
+        s->rx[0] = rudder_rx_start(n->rx[0], NULL);
+    if (n->rx[1])
+        s->rx[1] = rudder_rx_start(n->rx[1], NULL);
+    if (s->ktag)
+        s->keys = key_node(js->m, s->kh, s->ktag, s->keys);
+    s->ktag = 0;
+    s->kh = KH_SEED;
+}
+
+static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, uint8_t b);
+
+#define KEY_DFS_DEPTH 64u
+#define KEY_DFS_BUDGET 4096u
+
+static bool key_dfs(const rudder_js *js, const thread *s, uint32_t depth, uint32_t *budget) {
+    thread *t = &js->m->dfs[depth];
+    for (uint32_t i = 0; i <= 0xe0; i++) {   /* the closing quote first, then 0x20..0xff */
+        uint8_t b = (uint8_t)(i ? 0x1f + i : '"');
+        if (i && b == '"')
+            continue;
+        if (!*budget)
+            return true;   /* (too large to search: assume it can) */
+        --*budget;
+        tcopy(t, s);
+        frame *f = &t->f[t->sp - 1];
+        if (key_byte(js, t, f, N(js, f->node), b) != OK)
+            continue;
+        if (f->phase == O_COLON || depth + 1 == KEY_DFS_DEPTH || key_dfs(js, t, depth + 1, budget))
+            return true;
+    }
+    return false;
+}
+
+/* In a restricted object that wrote extra keys: can the key of the top frame still end as a
+ * key the object may take (a declared key in range, an extra key not written)? A depth-first
+ * search of its next bytes, bounded. */
+static bool key_ahead(const rudder_js *js, const thread *s) {
+    js_matcher *m = js->m;
+    if (!m->dfs)
+        m->dfs = rudder_xalloc(KEY_DFS_DEPTH * sizeof(thread));
+    uint32_t budget = KEY_DFS_BUDGET;
+    m->in_dfs = true;
+    bool ok = key_dfs(js, s, 0, &budget);
+    m->in_dfs = false;
+    return ok;
+}
+
 /* Extra keys may come here: the object has them and one more key leaves room for the
  * required ones (maxProperties). */
 static bool extras_ok(const rudder_js *js, const thread *s, const jnode *n, const frame *f) {
@@ -808,7 +988,7 @@ static void key_done(const rudder_js *js, thread *s, frame *f, const jnode *n, u
     if (count < (cap < 255 ? cap : 255))
         count++;
     f->phase = O_COLON;
-    f->flags = 0;
+    f->flags &= F_COUNTS;
     f->aux = value;
     f->aux2 = next | cur << 9 | count << 18;
     lex_reset(s);
@@ -833,8 +1013,12 @@ static uint32_t extra_value(const rudder_js *js, const jnode *n, const thread *s
 static int extra_key_byte(const jnode *n, thread *s, uint8_t b) {
     bool lead = false;
     if (s->lphase == SL_CHAR) {
-        if (b == '\\') {
-            if (n->kmax != NONE && s->len >= n->kmax)
+        if (b == '\\') {   /* it must have room, and a character to write that the patterns take */
+            bool some = false;
+            for (const char *e = "\"\\"; *e && !some; e++)
+                some = (!n->rx[1] || rudder_rx_push(n->rx[1], s->rx[1], (uint8_t)*e) != RUDDER_DEAD) &&
+                       (n->extra != NONE || (s->rx[0] != RUDDER_DEAD && rudder_rx_push(n->rx[0], s->rx[0], (uint8_t)*e) != RUDDER_DEAD));
+            if ((n->kmax != NONE && s->len >= n->kmax) || !some)
                 return DEAD;
             s->lphase = SL_ESC;
             return OK;
@@ -865,6 +1049,7 @@ static int extra_key_byte(const jnode *n, thread *s, uint8_t b) {
         if (s->rx[0] == RUDDER_DEAD && n->extra == NONE)
             return DEAD;   /* it must match some pattern */
     }
+    s->kh = KH_STEP(s->kh, b);   /* (the decoded byte: an escape's second byte is its character) */
     return OK;
 }
 
@@ -876,13 +1061,16 @@ static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, ui
         if (c != NONE && js->trie[c].term != NONE) {    /* it is a declared key */
             if (!ps_has(&range, js->trie[c].term))
                 return DEAD;   /* written already, or a required one comes first */
+            s->kh = 0;
             key_done(js, s, f, n, js->trie[c].term, js->props[n->a + js->trie[c].term].value);
             return OK;
         }
         uint32_t v = extra_value(js, n, s);
-        if (!fits(js, s, v))
+        uint64_t kh = s->kh;
+        if (!fits(js, s, v) || key_written(js, s, kh, false))
             return DEAD;
         key_done(js, s, f, n, EXTRA_KEY, v);
+        s->kh = kh, s->ktag = (uint8_t)(s->sp - 1u);
         return OK;
     }
     if (!(f->flags & F_EXTRAS)) {
@@ -897,8 +1085,9 @@ static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, ui
     if (extra_key_byte(n, s, b) != OK) {   /* only a declared key can go on */
         if (c == NONE || !ps_meets(&js->trie[c].below, &range))
             return DEAD;
-        f->flags = 0;
+        f->flags &= F_COUNTS;
         lex_reset(s);
+        s->kh = 0;
         if (js->trie[c].term != NONE)
             key_done(js, s, f, n, js->trie[c].term, js->props[n->a + js->trie[c].term].value);
         else
@@ -906,7 +1095,25 @@ static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, ui
         return OK;
     }
     f->aux = c;   /* NONE once it left every declared key */
+    if (restricted(n) && !js->m->in_dfs && wrote_extra(js, s, false) && !key_ahead(js, s))
+        return DEAD;   /* it could only end as a key already written */
     return OK;
+}
+
+/* One more key may come (after `,`, or a `"` opening it): a declared one in range, or an extra
+ * one (in a restricted object that wrote some, only if one not written can be spelled). */
+static bool key_may_come(const rudder_js *js, const thread *s, const jnode *n, const frame *f, bool extras) {
+    pset range = key_range(js, s, n, f);
+    if (any_in(&range))
+        return true;
+    if (!extras)
+        return false;
+    if (!restricted(n) || js->m->in_dfs || !wrote_extra(js, s, true))
+        return true;
+    thread t;
+    tcopy(&t, s);
+    key_start(js, &t, &t.f[t.sp - 1], n, true);
+    return key_ahead(js, &t);
 }
 
 static int obj_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, uint8_t b, bool ws) {
@@ -914,42 +1121,35 @@ static int obj_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, ui
         return key_byte(js, s, f, n, b);
     if (ws)
         return OK;
-    bool extras = extras_ok(js, s, n, f);
-    pset range = key_range(js, s, n, f);
-    bool more = extras || any_in(&range);
     switch (f->phase) {
     case O_KEY_OR_END:
         if (b == '}') {
             if (!can_close(js, n, f))
                 return DEAD;
+            keys_close(js, s, n);
             child_done(js, s);
             return OK;
         }
         /* fall through */
-    case O_KEY:
-        if (b != '"' || !more)
+    case O_KEY: {
+        bool extras = extras_ok(js, s, n, f);
+        if (b != '"' || !key_may_come(js, s, n, f, extras))
             return DEAD;
-        f->phase = O_IN_KEY;
-        f->aux = n->n ? n->trie : NONE;   /* followed even past `next`: no duplicate keys */
-        f->flags = extras ? F_EXTRAS : 0;
-        lex_reset(s);
-        s->lphase = SL_CHAR;
-        if (extras && n->n_rx)
-            s->rx[0] = rudder_rx_start(n->rx[0], NULL);
-        if (extras && n->rx[1])
-            s->rx[1] = rudder_rx_start(n->rx[1], NULL);
+        key_start(js, s, f, n, extras);
         return OK;
+    }
     case O_COLON:
         if (b != ':')
             return DEAD;
         f->phase = O_VALUE;
         return push_frame(js, s, f->aux, 0) ? OK : DEAD;
     case O_AFTER:
-        if (b == ',' && more) {
+        if (b == ',' && key_may_come(js, s, n, f, extras_ok(js, s, n, f))) {
             f->phase = O_KEY;
             return OK;
         }
         if (b == '}' && can_close(js, n, f)) {
+            keys_close(js, s, n);
             child_done(js, s);
             return OK;
         }
@@ -1381,7 +1581,53 @@ static uint32_t *g_special_lcp;   /* bytes shared with the previous special toke
 static uint8_t *g_chars;   /* characters of each plain token (capped at 255) */
 static uint8_t *g_tail;    /* bytes its last character lacks (a token cut inside a character) */
 static uint32_t g_first[256], g_n_first;   /* the trie's first-level nodes, and their bytes */
+static bool g_keys_in_token;   /* some token holds `,""` (it could open and end a key in an open object) */
+/* The tokens that can end an extra key (keys_view): those holding a quote; the distinct texts
+ * they add to a key before its closing quote, from a character boundary (g_ext: bytes
+ * g_ext_at[k]..g_ext_at[k + 1]); the hashes of the keys they write whole after `"` opens one. */
+static uint32_t *g_quoted, g_n_quoted, *g_ext_at, g_n_ext, g_n_whole;
+static uint8_t *g_ext_bytes;
+static uint64_t *g_ext_mul, *g_ext_add;   /* g_ext k from a key's hash h: h * mul + add */
+static uint64_t *g_whole;
 static uint8_t g_first_byte[256];
+
+/* Key bytes from a lexer state (phase, UTF-8 expectations) to the first unescaped quote: the
+ * index past it, the hash `kh` carried on (and the decoded bytes to `out` when given); NONE
+ * when the bytes are not key characters or hold no such quote. */
+static uint32_t key_scan(const uint8_t *b, uint32_t n, uint8_t phase, uint8_t need, uint8_t lo, uint8_t hi, uint64_t *kh,
+                         uint8_t *out, uint32_t *n_out) {
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t c = b[i];
+        if (phase == SL_CHAR) {
+            if (c == '"')
+                return i + 1;
+            if (c == '\\') {
+                phase = SL_ESC;
+                continue;
+            }
+            if (c < 0x20 || (c >= 0x80 && c < 0xc2) || c > 0xf4)
+                return NONE;
+            if (c >= 0x80) {
+                phase = SL_UTF8, need = c >= 0xf0 ? 3 : c >= 0xe0 ? 2 : 1;
+                lo = c == 0xe0 ? 0xa0 : c == 0xf0 ? 0x90 : 0x80, hi = c == 0xed ? 0x9f : c == 0xf4 ? 0x8f : 0xbf;
+            }
+        } else if (phase == SL_ESC) {
+            if (c != '"' && c != '\\')
+                return NONE;
+            phase = SL_CHAR;
+        } else {
+            if (c < lo || c > hi)
+                return NONE;
+            lo = 0x80, hi = 0xbf;
+            if (--need == 0)
+                phase = SL_CHAR;
+        }
+        *kh = KH_STEP(*kh, c);
+        if (out)
+            out[(*n_out)++] = c;
+    }
+    return NONE;
+}
 
 /* Valid UTF-8 whose last character may be cut short (a token can end inside a character). */
 static bool utf8_prefix(const uint8_t *b, uint32_t len) {
@@ -1436,6 +1682,10 @@ void rudder_js_init_tables(void) {
             continue;
         if (len > g_max_token)
             g_max_token = len;
+        uint32_t seen = 0;   /* how much of `,""` the token holds, in order */
+        for (uint32_t i = 0; i < len && seen < 3; i++)
+            seen += b[i] == (uint8_t)",\"\""[seen];
+        g_keys_in_token |= seen == 3;
         if (!utf8_prefix(b, len))
             continue;   /* never inside a string at a character boundary */
         bool plain = true;
@@ -1485,6 +1735,53 @@ void rudder_js_init_tables(void) {
     for (uint32_t k = 1; k <= SHORT; k++)   /* cumulative */
         for (uint32_t w = 0; w < words; w++)
             g_plain_upto[k][w] |= g_plain_upto[k - 1][w];
+    /* the tokens that can end an extra key, and how (keys_view) */
+    g_quoted = rudder_xalloc(4 * (vocab + 1));
+    g_ext_at = rudder_xalloc(4 * (vocab + 2));
+    g_whole = rudder_xalloc(8 * (vocab + 1));
+    g_ext_mul = rudder_xalloc(8 * (vocab + 1));
+    g_ext_add = rudder_xalloc(8 * (vocab + 1));
+    uint8_t *out = rudder_xalloc(g_max_token + 1);
+    uint32_t cap_ext = 0;
+    g_ext_at[0] = 0;
+    for (uint32_t t = 0; t < vocab; t++) {
+        uint32_t len, n_out = 0, i = 0;
+        const uint8_t *b = rudder_token_bytes(t, &len);
+        bool quote = false;
+        for (uint32_t k = 0; b && k < len && !quote; k++)
+            quote = b[k] == '"';
+        if (!quote)
+            continue;
+        g_quoted[g_n_quoted++] = t;
+        uint64_t h = 0;
+        if (key_scan(b, len, SL_CHAR, 0, 0, 0, &h, out, &n_out) != NONE) {
+            bool known = false;
+            for (uint32_t k = 0; k < g_n_ext && !known; k++)
+                known = g_ext_at[k + 1] - g_ext_at[k] == n_out && !memcmp(g_ext_bytes + g_ext_at[k], out, n_out);
+            if (!known) {
+                g_ext_bytes = rudder_grow(g_ext_bytes, &cap_ext, g_ext_at[g_n_ext] + n_out + 1, 1);
+                memcpy(g_ext_bytes + g_ext_at[g_n_ext], out, n_out);
+                g_ext_at[g_n_ext + 1] = g_ext_at[g_n_ext] + n_out;
+                g_ext_mul[g_n_ext] = 1, g_ext_add[g_n_ext] = 0;
+                for (uint32_t k = 0; k < n_out; k++)
+                    g_ext_mul[g_n_ext] *= KH_MUL, g_ext_add[g_n_ext] = KH_STEP(g_ext_add[g_n_ext], out[k]);
+                g_n_ext++;
+            }
+        }
+        while (i < len && (b[i] == ' ' || b[i] == '\n' || b[i] == '\t' || b[i] == '\r'))
+            i++;
+        h = KH_SEED;
+        if (i < len && b[i] == '"' && key_scan(b + i + 1, len - i - 1, SL_CHAR, 0, 0, 0, &h, NULL, NULL) != NONE) {
+            bool known = false;
+            for (uint32_t k = 0; k < g_n_whole && !known; k++)
+                known = g_whole[k] == h;
+            if (!known)
+                g_whole[g_n_whole++] = h;
+        }
+    }
+    rudder_free(out);
+    if (g_n_quoted > 0xfffe)
+        g_keys_in_token = true;   /* (their indices are 16 bits: keys then show every key written) */
 }
 
 /* ------------------------------------------------------------------ masks of one thread */
@@ -1509,6 +1806,8 @@ static uint32_t plain_room(const rudder_js *js, const thread *s, rudder_rx **rx,
         return n->max == NONE ? NONE : n->max - s->len;
     }
     if (n->kind == K_OBJECT && f->phase == O_IN_KEY && (f->flags & F_EXTRAS)) {
+        if (restricted(n) && wrote_extra(js, s, false))
+            return 0;   /* (each byte is checked by key_ahead) */
         if (n->rx[1])
             rx[*n_rx] = n->rx[1], st[(*n_rx)++] = s->rx[1];
         if (n->n_rx && n->extra == NONE) {   /* the key must match some pattern */
@@ -1858,18 +2157,115 @@ static uint32_t e_forced(void *self, uint8_t *dst, uint32_t cap) {
     return n;
 }
 
+/* How a position's key shows the extra keys written (e_key). The answer at a position (mask,
+ * forced bytes, ff lists) depends on them only where a token can end an extra key: the key being
+ * written (K_CLOSE), or one that a token opens and ends whole (K_WHOLE, at O_KEY); a token that
+ * could reach a later one holds `,""` (with none such, g_keys_in_token is false); and in
+ * restricted objects, whose key bytes can be forced (K_ALL). There the key holds which of the
+ * ways a token can end the key are keys written ("dups"); elsewhere it leaves the keys out, so
+ * that positions in values, and in keys of objects with none written, are shared as if no
+ * keys were tracked. */
+enum { K_NONE, K_CLOSE, K_WHOLE, K_ALL };
+
+static int keys_view(const rudder_js *js, const thread *s) {
+    if (g_keys_in_token)
+        return K_ALL;
+    for (uint32_t d = 1; d < s->sp; d++) {
+        const jnode *n = N(js, s->f[d].node);
+        if (n->kind == K_OBJECT && s->f[d].phase != V_START && has_extras(n) && restricted(n))
+            return K_ALL;
+    }
+    const frame *f = &s->f[s->sp - 1];
+    const jnode *n = N(js, f->node);
+    if (s->sp < 2 || n->kind != K_OBJECT || !has_extras(n))
+        return K_NONE;
+    if (f->phase == O_KEY)
+        return K_WHOLE;
+    return f->phase == O_IN_KEY && (f->flags & F_EXTRAS) ? K_CLOSE : K_NONE;
+}
+
+/* The dups of a K_CLOSE or K_WHOLE thread (see keys_view), as indices into the lists of
+ * rudder_js_init_tables: g_ext from a character boundary, all tokens holding a quote
+ * otherwise, g_whole for keys written whole. */
+static uint32_t key_dups(const rudder_js *js, const thread *s, int view, uint16_t *dups) {
+    uint32_t n = 0;
+    if (view == K_WHOLE) {
+        if (wrote_extra(js, s, true))
+            for (uint32_t k = 0; k < g_n_whole; k++)
+                if (key_written(js, s, g_whole[k], true))
+                    dups[n++] = (uint16_t)k;
+        return n;
+    }
+    if (!wrote_extra(js, s, false))
+        return 0;
+    if (s->lphase == SL_CHAR) {
+        /* the key each ending would write (its hash from the key's own), those that pass the
+         * object's bloom kept, then one pass over the keys written, each against those kept */
+        js_matcher *m = js->m;
+        const knode *kn = m->knodes;
+        uint64_t bloom = kn[s->keys].bloom, kept_bloom[4] = {0};   /* (wrote_extra: the top node is this object's) */
+        uint32_t kept = 0;
+        for (uint32_t k = 0; k < g_n_ext; k++) {
+            uint64_t h = s->kh * g_ext_mul[k] + g_ext_add[k];
+            if (bloom & kbit(h)) {
+                m->ext_h[kept] = h, m->ext_k[kept++] = (uint16_t)k, m->ext_dup[k] = 0;
+                kept_bloom[h >> 62] |= 1ull << (h >> 52 & 63);
+            }
+        }
+        for (uint32_t at = s->keys; kept && at && kn[at].tag == s->sp - 1u; at = kn[at].up)
+            if (kept_bloom[kn[at].kh >> 62] >> (kn[at].kh >> 52 & 63) & 1)
+                for (uint32_t i = 0; i < kept; i++)
+                    m->ext_dup[m->ext_k[i]] |= m->ext_h[i] == kn[at].kh;
+        for (uint32_t i = 0; i < kept; i++)   /* (kept in order of k) */
+            if (m->ext_dup[m->ext_k[i]])
+                dups[n++] = m->ext_k[i];
+        return n;
+    }
+    for (uint32_t k = 0; k < g_n_quoted; k++) {
+        uint32_t len;
+        const uint8_t *b = rudder_token_bytes(g_quoted[k], &len);
+        uint64_t h = s->kh;
+        if (key_scan(b, len, s->lphase, s->u8need, s->u8lo, s->u8hi, &h, NULL, NULL) != NONE && key_written(js, s, h, false))
+            dups[n++] = (uint16_t)k;
+    }
+    return n;
+}
+
 static uint32_t e_key(void *self, uint8_t *dst, uint32_t cap) {
     rudder_js *js = self;
     js_matcher *m = js->m;
     uint32_t need = 0;
-    for (uint32_t t = 0; t < m->n_cur; t++)
+    m->dups = rudder_grow(m->dups, &m->cap_dups, m->n_cur * (g_n_quoted + 1) + 1, sizeof(uint16_t));
+    m->views = rudder_grow(m->views, &m->cap_views, m->n_cur, 1);
+    uint16_t *d = m->dups;
+    for (uint32_t t = 0; t < m->n_cur; t++) {
+        int view = m->views[t] = (uint8_t)keys_view(js, &m->cur[t]);
         need += tsize(&m->cur[t]);
+        if (view == K_CLOSE || view == K_WHOLE) {
+            d[0] = (uint16_t)key_dups(js, &m->cur[t], view, d + 1);
+            need += 2u * (d[0] + 1u);
+            d += d[0] + 1;
+        }
+    }
     if (need > cap)
         return need;
     uint8_t *p = dst;
+    d = m->dups;
     for (uint32_t t = 0; t < m->n_cur; t++) {
-        memcpy(p, &m->cur[t], tsize(&m->cur[t]));
-        p += tsize(&m->cur[t]);
+        const thread *s = &m->cur[t];
+        int view = m->views[t];
+        memcpy(p, s, tsize(s));
+        if (view != K_ALL) {
+            memset(p + __builtin_offsetof(thread, keys), 0, sizeof(uint32_t));
+            memset(p + __builtin_offsetof(thread, kh), 0, sizeof(uint64_t));
+            p[__builtin_offsetof(thread, ktag)] = 0;
+        }
+        p += tsize(s);
+        if (view == K_CLOSE || view == K_WHOLE) {
+            memcpy(p, d, 2u * (d[0] + 1u));
+            p += 2u * (d[0] + 1u);
+            d += d[0] + 1;
+        }
     }
     return need;
 }
@@ -1892,8 +2288,16 @@ void js_matcher_init(rudder_js *js) {
     m->ends = rudder_xalloc(m->walk_cap * 4);
     m->sets = rudder_xalloc(m->walk_cap * 32);
     m->spill = rudder_zalloc(m->walk_cap * sizeof(tlist));
-    if (!m->spill)
+    m->kmask = 63;
+    m->kindex = rudder_zalloc(64 * 4);
+    if (!m->spill || !m->kindex)
         rudder_panic("jsonschema: out of memory");
+    m->knodes = rudder_grow(NULL, &m->cap_knodes, 64, sizeof(knode));
+    m->knodes[0] = (knode){0, 0, 0, 0};
+    m->ext_h = rudder_xalloc(8 * (g_n_ext + 1));
+    m->ext_k = rudder_xalloc(2 * (g_n_ext + 1));
+    m->ext_dup = rudder_xalloc(g_n_ext + 1);
+    m->n_knodes = 1;
 }
 
 rudder_engine rudder_js_engine(rudder_js *js) {

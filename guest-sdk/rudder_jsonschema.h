@@ -18,9 +18,12 @@
 typedef struct rudder_js rudder_js;
 
 /* Compile a schema (JSON text). NULL on error, with a message naming the keyword and its JSON
- * pointer path in err. Root keywords "x-rudder-whitespace" ("compact" | "flexible") and
- * "x-rudder-ff" (true | false) set the options. The work is bounded: a schema whose
- * combinators expand past the limits is refused with a message saying so. */
+ * pointer path in err. Root keywords set the options: "x-rudder-undeclared" ("forbid", the
+ * default: objects generate the keys they name, tuples their prefix | "allow": the
+ * specification's reading), "x-rudder-strict" (true: refuse what would be relaxed, with its
+ * path), "x-rudder-whitespace" ("compact" | "flexible") and "x-rudder-ff" (true | false). No
+ * object gets a key twice. The work is bounded: a schema whose combinators expand past the
+ * limits is refused with a message saying so. */
 rudder_js *rudder_js_compile(const char *text, uint32_t len, char *err, uint32_t cap);
 
 /* Request-independent tables (token classes); call once from controller_init, so that they

@@ -101,8 +101,9 @@ ESCAPED_KEYS = {"type": "object", "properties": {'a"b': {"type": "integer"}}, "a
                 "patternProperties": {"^k\\\\": {"type": "boolean"}}, "propertyNames": {"maxLength": 4}}
 
 CASES = {
+    # (extra keys: in the specification's reading, "x-rudder-undeclared": "allow"; tests/test_json_undeclared.py has the default)
     "annotations are ignored": (
-        {"type": "object", "id": "x", "readonly": True, "example": {"a": 1}, "links": [], "self": {"vendor": "v"},
+        {"x-rudder-undeclared": "allow", "type": "object", "id": "x", "readonly": True, "example": {"a": 1}, "links": [], "self": {"vendor": "v"},
          "_format": "foo", "esriDocumentation": {}, "x-anything": 1, "format": "int32", "contentMediaType": "text/plain",
          "properties": {"a": {"type": "integer", "title": "A", "$comment": "c"}}, "required": ["a"]},
         ['{"a":1}', '{"a":1,"b":"extra keys are allowed"}'], ['{"a":"1"}', "{}"]),
@@ -136,7 +137,7 @@ CASES = {
     "a tag after another key": ({"anyOf": [{**_tag({"const": "a"}), "properties": {"id": {"type": "integer"}, "kind": {"const": "a"}}, "required": ["id", "kind"]},
                                            {**_tag({"const": "b"}), "properties": {"id": {"type": "string"}, "kind": {"const": "b"}}, "required": ["id", "kind"]}]},
                                 ['{"id":1,"kind":"a"}', '{"id":"1","kind":"b"}'], ['{"id":1,"kind":"b"}']),
-    "tags with extra keys allowed": ({"anyOf": [{"type": "object", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+    "tags with extra keys allowed": ({"x-rudder-undeclared": "allow", "anyOf": [{"type": "object", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
                                                 {"type": "object", "properties": {"kind": {"const": "b"}, "n": {"type": "integer"}}, "required": ["kind", "n"]}]},
                                      ['{"kind":"a","z":[1]}', '{"kind":"b","n":1,"z":2}'], ['{"kind":"b","z":2}', '{"kind":"c"}']),
     "a tagged union in an array": ({"type": "array", "items": TAGGED},
