@@ -1,7 +1,7 @@
 """Token-mask speed of constraint engines on the SmolLM2 vocabulary: ours (Wasm controllers)
 against llguidance, xgrammar and outlines-core.
 
-    .venv/bin/python benchmarks/masks.py [--cases regex,json-schema,json-free,tools-128,grammar] [--passes 3]
+    .venv/bin/python benchmarks/masks.py [--cases regex,json-schema,json-free,tools-128,tools-auto,grammar] [--passes 3]
                                          [--json benchmarks/results/masks.json] [--plot masks.png]
 
 Each case walks a FIXED valid document token by token (its SmolLM2 tokenization) and times,
@@ -14,7 +14,8 @@ per engine, the work that gives the mask of every step:
 `compile` is the time from the grammar text to something that gives the first mask (ours:
 starting a request, which compiles the argument inside the controller and prepares the first
 answer). The cases: a regex, a 5-property schema, free JSON, a union of 128 tool schemas (its
-compile goal is 50 ms) and an arithmetic grammar.
+compile goal is 50 ms), the server's tool_choice "auto" grammar over 8 tools (text or tagged
+calls, the call schema embedded with `%json`) and an arithmetic grammar.
 
 Cold: a fresh compile, then one walk (caches empty: what a new request pays). Warm: the same
 compiled object walks the document again (ours: a backtrack to the start, then the walk).
@@ -91,6 +92,22 @@ def tool_union(n: int) -> dict:
 TOOLS_128 = json.dumps(tool_union(128))
 TOOLS_128_OURS = json.dumps({**json.loads(TOOLS_128), "x-rudder-whitespace": "flexible"})
 
+
+def auto_tools_grammar(n: int) -> str:
+    """The grammar of the server's tool_choice "auto" over the n tools of tool_union: text, or
+    <tool_call> blocks holding the call schema as a %json element."""
+    from rudder.server.tools import ToolPlan
+
+    tools = [{"type": "function", "function": {"name": alt["properties"]["name"]["const"],
+                                               "parameters": alt["properties"]["arguments"]}}
+             for alt in tool_union(n)["anyOf"]]
+    return ToolPlan.of(tools, "auto", True).constraint.arg
+
+
+AUTO_TOOLS_8 = auto_tools_grammar(8)
+# llguidance's %json made compact, as ours is by default
+AUTO_TOOLS_8_LLG = AUTO_TOOLS_8.replace("%json {", '%json {"x-guidance": {"whitespace_flexible": false}, ')
+
 ARITH_LARK = r"""
 start: expr
 expr: term (("+" | "-") term)*
@@ -142,6 +159,11 @@ CASES = [
          json.dumps({"name": "tool_126_user", "arguments": {"user": "ada", "id": 3, "amount": 2.5}}),
          ours=("json", TOOLS_128_OURS), llguidance=("json", TOOLS_128), xgrammar=("json", TOOLS_128),
          outlines=("json", TOOLS_128), compile_goal_ms=50.0),
+    Case("tools-auto",
+         '<tool_call>\n{"name":"tool_7_id","arguments":{"id":3,"amount":2.5,"start":"mid"}}\n</tool_call>',
+         ours=("grammar", AUTO_TOOLS_8), llguidance=("lark", AUTO_TOOLS_8_LLG), xgrammar=None, outlines=None,
+         notes={"xgrammar": "n/a (its grammars here have no inline JSON Schema)",
+                "outlines": "n/a (outlines-core has no context-free grammars)"}),
     Case("grammar", "(12 + 3.5) * 4 - 7 / (2 + 1) * 10 - -3 + (((8)))",
          # our grammar controller's syntax is the grammar helper's to define: Lark text here
          ours=("grammar", ARITH_LARK), llguidance=("lark", ARITH_LARK), xgrammar=("ebnf", ARITH_GBNF),

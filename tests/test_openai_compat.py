@@ -230,17 +230,13 @@ def test_required_over_several_tools(client):
 
 
 def test_auto_is_text_or_a_call(client):
-    days = {**WEATHER["parameters"]["properties"]["days"]}
-    del days["minimum"], days["maximum"]  # bounds are beyond the auto grammar (a strict tool with them: 400)
-    weather = {**WEATHER, "parameters": {**WEATHER["parameters"], "properties": {
-        **WEATHER["parameters"]["properties"], "days": days}}}
-    tools = [{"type": "function", "function": weather}, {"type": "function", "function": CLOCK}]
+    tools = [{"type": "function", "function": WEATHER}, {"type": "function", "function": CLOCK}]
     # "<" begins a call: favoured, the model calls; banned, it writes text
     called = chat(client, tools=tools, seed=4, max_tokens=120, logit_bias={tok("<"): 100, tok("}"): 3},
                   parallel_tool_calls=False)
     assert called.choices[0].finish_reason == "tool_calls"
     [call] = called.choices[0].message.tool_calls
-    _args_valid(call, weather if call.function.name == "get_weather" else CLOCK)
+    _args_valid(call, WEATHER if call.function.name == "get_weather" else CLOCK)  # days' bounds too
     text = chat(client, tools=tools, tool_choice="auto", seed=4, max_tokens=10, logit_bias={tok("<"): -100})
     assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
     assert not text.choices[0].message.content.startswith("<")
@@ -248,14 +244,29 @@ def test_auto_is_text_or_a_call(client):
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content.startswith("<")
 
 
-def test_auto_refuses_a_strict_tool_it_cannot_enforce(client):
-    strict = {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {
-        "s": {"type": "string", "pattern": "^a+$"}}, "required": ["s"]}}
-    with pytest.raises(openai.BadRequestError, match="strict"):
-        chat(client, tools=[{"type": "function", "function": strict}])
-    loose = {**strict, "strict": False}
-    out = chat(client, tools=[{"type": "function", "function": loose}], max_tokens=5, logit_bias={tok("<"): -100})
-    assert out.choices[0].message.content  # accepted: its arguments are any JSON object
+# Keywords beyond plain types in a tool's arguments: keys by pattern, a count, a format, a pattern.
+LOG = {"name": "log_days", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["days", "code"],
+    "properties": {"days": {"type": "array", "items": {"type": "string", "format": "date"}, "minItems": 2},
+                   "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "patternProperties": {"^n_[a-z]$": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+
+
+def test_auto_calls_follow_every_keyword_of_the_schema(client):
+    """tool_choice "auto" holds the same call schema as "required", embedded in its grammar
+    (`%json`): keys by pattern, minItems, formats and patterns hold in the arguments, for a
+    strict tool and a loose one; and a text reply stays possible."""
+    for strict in (True, False):
+        tools = [{"type": "function", "function": {**LOG, "strict": strict}}]
+        for seed in range(2):
+            out = chat(client, tools=tools, seed=seed, max_tokens=300, parallel_tool_calls=False,
+                       logit_bias={tok("<"): 100, **SHORT_JSON})
+            assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+            [call] = out.choices[0].message.tool_calls
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, LOG["parameters"], format_checker=jsonschema.FormatChecker())
+        text = chat(client, tools=tools, seed=1, max_tokens=10, logit_bias={tok("<"): -100})
+        assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
 
 
 def test_tool_calls_stream_as_deltas(client):

@@ -128,6 +128,10 @@ def test_plans_and_prompts():
     assert named.prompt_suffix == "<tool_call>\n" and named.mode == "json"
     auto = ToolPlan.of([{"type": "function", "function": fn}], None, False)
     assert auto.constraint.controller == "grammar" and "call*" not in auto.constraint.arg
+    assert "%json " + named.constraint.arg in auto.constraint.arg   # the call schema of every mode
+    assert "x-rudder-strict" not in named.constraint.arg
+    strict = ToolPlan.of([{"type": "function", "function": {**fn, "strict": True}}], "auto", None)
+    assert '"x-rudder-strict": true' in strict.constraint.arg
     assert ToolPlan.of([{"type": "function", "function": fn}], "none", None).constraint is None
     assert ToolPlan.of(None, None, None) is None
     with pytest.raises(APIError, match="tool_choice needs tools"):

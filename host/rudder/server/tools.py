@@ -15,9 +15,9 @@ and a call is
   `anyOf` of such objects (a tagged union on "name": the `json` controller reads the name, then
   follows that tool's arguments);
 - "auto" (the default with tools): the `grammar` controller allows either text (not starting
-  with `<`) or one or more `<tool_call>` blocks whose arguments follow each tool's schema
-  (compiled to the grammar; a non-strict tool whose schema uses keywords the compiler lacks gets
-  any JSON object, a `strict` one is refused);
+  with `<`) or one or more `<tool_call>` blocks, each holding a JSON value of the same call
+  schema as "required" (a `%json` element of the grammar: the `json` controller's engine, every
+  keyword it knows);
 - "none": the tools are not shown and the output is text.
 
 In the constrained modes (named, "required") the prompt already ends with `<tool_call>` and the
@@ -39,10 +39,6 @@ from ..structured import Constraint
 from .errors import APIError
 
 __all__ = ["ToolCallParser", "ToolPlan", "render_messages"]
-
-_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-                "readOnly", "writeOnly"}
-
 
 # -- the request's tools ------------------------------------------------------------------------
 
@@ -140,197 +136,36 @@ def _rebase_refs(node: Any, base: str) -> Any:
 
 
 def _call_schema(functions: list[dict]) -> dict:
-    """{"name": const, "arguments": parameters} for one function, anyOf of those for several."""
+    """{"name": const, "arguments": parameters} for one function, anyOf of those for several;
+    every tool_choice mode constrains with it. A strict tool makes the whole schema strict (the
+    json engine's root option: a keyword it cannot honour whole is refused)."""
     def one(f: dict, base: str) -> dict:
         return {"type": "object", "properties": {"name": {"const": f["name"]},
                                                  "arguments": _rebase_refs(f["parameters"], base)},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
     if len(functions) == 1:
-        return one(functions[0], "#/properties/arguments")
-    return {"anyOf": [one(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(functions)]}
+        schema = one(functions[0], "#/properties/arguments")
+    else:
+        schema = {"anyOf": [one(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(functions)]}
+    if any(f["strict"] for f in functions):
+        schema["x-rudder-strict"] = True
+    return schema
 
 
 # -- "auto": a grammar of text or tool calls ------------------------------------------------------
 
-class _Unsupported(Exception):
-    pass
-
-
-def _lit(text: str) -> str:
-    """A Lark string literal of `text`."""
-    out = []
-    for c in text:
-        if c in '"\\':
-            out.append("\\" + c)
-        elif c == "\n":
-            out.append("\\n")
-        elif ord(c) < 0x20:
-            out.append(f"\\x{ord(c):02x}")
-        else:
-            out.append(c)
-    return '"' + "".join(out) + '"'
-
-
-_TERMINALS = {
-    "STRING": r'/"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/',
-    "NUMBER": r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
-    "INTEGER": r"/-?(0|[1-9][0-9]*)/",
-    "COMMA": r"/, ?/",   # JSON as models write it: compact, or one space after , and :
-    "COLON": r"/: ?/",
-}
-
-
-class _SchemaGrammar:
-    """JSON Schema -> Lark rules for the subset tool schemas use (objects with properties in
-    order, required or optional; arrays; enum/const; anyOf/oneOf; local $ref; the basic types)."""
-
-    def __init__(self):
-        self.rules: dict[str, str] = {}
-        self.terminals: set[str] = set()
-        self._n = 0
-
-    def new_rule(self, body: str, stem: str = "r") -> str:
-        self._n += 1
-        name = f"{stem}_{self._n}"
-        self.rules[name] = body
-        return name
-
-    def term(self, name: str) -> str:
-        self.terminals.add(name)
-        return name
-
-    def any_value(self) -> str:
-        if "json_value" not in self.rules:
-            self.rules["json_value"] = "json_object | json_array | STRING | NUMBER | \"true\" | \"false\" | \"null\""
-            self.rules["json_object"] = '"{" (json_pair (COMMA json_pair)*)? "}"'
-            self.rules["json_pair"] = "STRING COLON json_value"
-            self.rules["json_array"] = '"[" (json_value (COMMA json_value)*)? "]"'
-            self.terminals.update(("STRING", "NUMBER", "COMMA", "COLON"))
-        return "json_value"
-
-    def any_object(self) -> str:
-        self.any_value()
-        return "json_object"
-
-    def compile(self, schema: Any, root: dict, path: str, refs: dict) -> str:
-        if schema is True or schema == {}:
-            return self.any_value()
-        if not isinstance(schema, dict):
-            raise _Unsupported(f"a schema that matches nothing at {path}")
-        unknown = set(schema) - _ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "items",
-                                                "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"}
-        if unknown:
-            raise _Unsupported(f"keyword {sorted(unknown)[0]!r} at {path}")
-        if "$ref" in schema:
-            return self._ref(schema["$ref"], root, path, refs)
-        if "const" in schema:
-            return _lit(json.dumps(schema["const"], ensure_ascii=False, separators=(",", ":")))
-        if "enum" in schema:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values:
-                raise _Unsupported(f"an empty enum at {path}")
-            return "(" + " | ".join(_lit(json.dumps(v, ensure_ascii=False, separators=(",", ":"))) for v in values) + ")"
-        for key in ("anyOf", "oneOf"):
-            if key in schema:
-                alts = [self.compile(s, root, f"{path}/{key}/{i}", refs) for i, s in enumerate(schema[key])]
-                return "(" + " | ".join(alts) + ")"
-        types = schema.get("type")
-        if types is None:
-            types = ["object"] if "properties" in schema else (["array"] if "items" in schema else None)
-            if types is None:
-                return self.any_value()
-        types = types if isinstance(types, list) else [types]
-        return "(" + " | ".join(self._typed(t, schema, root, path, refs) for t in types) + ")"
-
-    def _typed(self, t: str, schema: dict, root: dict, path: str, refs: dict) -> str:
-        if t == "string":
-            return self.term("STRING")
-        if t == "number":
-            return self.term("NUMBER")
-        if t == "integer":
-            return self.term("INTEGER")
-        if t == "boolean":
-            return '("true" | "false")'
-        if t == "null":
-            return '"null"'
-        if t == "array":
-            items = schema.get("items", True)
-            v = self.compile(items, root, f"{path}/items", refs)
-            return f'("[" ({v} ({self.term("COMMA")} {v})*)? "]")'
-        if t == "object":
-            return self._object(schema, root, path, refs)
-        raise _Unsupported(f"type {t!r} at {path}")
-
-    def _object(self, schema: dict, root: dict, path: str, refs: dict) -> str:
-        props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties", None if props else True)
-        if not props:
-            return self.any_object() if extra not in (False, None) else '("{" "}")'
-        if extra not in (False, None):
-            raise _Unsupported(f"additionalProperties next to properties at {path}")
-        required = set(schema.get("required") or [])
-        missing = required - set(props)
-        if missing:
-            raise _Unsupported(f"required property {sorted(missing)[0]!r} without a schema at {path}")
-        colon, comma = self.term("COLON"), self.term("COMMA")
-        pairs = [(f"{_lit(json.dumps(k, ensure_ascii=False))} {colon} "
-                  f"{self.compile(v, root, f'{path}/properties/{k}', refs)}", k in required)
-                 for k, v in props.items()]
-        # members(i): properties i.. with no comma before the first one present (an expression:
-        # referenced once); tail(i): the same, each with its comma (a rule: referenced twice).
-        tail_expr = members = None
-        for pair, req in reversed(pairs):
-            tail = self.new_rule(tail_expr, "tail") if tail_expr else None  # tail(i+1)
-            after = f" {tail}" if tail else ""
-            if req:
-                members, tail_expr = f"{pair}{after}", f"{comma} {pair}{after}"
-            else:
-                members = f"({pair}{after} | {members})" if members else f"({pair}{after})?"
-                tail_expr = f"({comma} {pair})?{after}"
-        return f'("{{" {members} "}}")'
-
-    def _ref(self, ref: str, root: dict, path: str, refs: dict) -> str:
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise _Unsupported(f"a non-local $ref at {path}")
-        if ref in refs:
-            return refs[ref]
-        node: Any = root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(node, dict) or part not in node:
-                raise _Unsupported(f"$ref {ref} points nowhere")
-            node = node[part]
-        name = f"ref_{len(refs) + 1}"
-        refs[ref] = name
-        self.rules[name] = self.compile(node, root, ref, refs)  # named first: recursion refers to it
-        return name
-
-
 def _auto_grammar(functions: list[dict], parallel: bool) -> str:
-    """Lark: text not starting with "<", or <tool_call> blocks (one, or several when parallel)."""
-    g = _SchemaGrammar()
-    bodies = []
-    for f in functions:
-        try:
-            args = g.compile(f["parameters"], f["parameters"], "#", {})
-        except _Unsupported as e:
-            if f["strict"]:
-                raise APIError("invalid_request", f"tool {f['name']!r} is strict, and its parameters use {e}, which "
-                               'tool_choice "auto" cannot enforce here; use tool_choice "required" or name the '
-                               "function", param="tools") from None
-            args = g.any_object()  # not strict: any JSON object
-        bodies.append(f'"{{" "\\"name\\"" COLON {_lit(json.dumps(f["name"]))} COMMA "\\"arguments\\"" COLON {args} "}}"')
-    g.terminals.update(("COMMA", "COLON"))
-    lines = ["start: TEXT | calls",
-             "calls: call" + (" (NL? call)*" if parallel else ""),
-             'call: "<tool_call>" NL? call_body NL? "</tool_call>"',
-             "call_body: " + " | ".join(bodies)]
-    lines += [f"{name}: {body}" for name, body in g.rules.items()]
-    lines.append(r"TEXT: /[^<][\s\S]*/")  # text: anything that does not begin a call
-    lines.append(r"NL: /\n/")
-    lines += [f"{t}: {_TERMINALS[t]}" for t in sorted(g.terminals)]
-    return "\n".join(lines) + "\n"
+    """Lark: text not starting with "<", or <tool_call> blocks (one, or several when parallel)
+    whose object is the same call schema as "required"'s, embedded with `%json`."""
+    schema = json.dumps(_call_schema(functions), ensure_ascii=False)
+    return "\n".join([
+        "start: TEXT | calls",
+        "calls: call" + (" (NL? call)*" if parallel else ""),
+        f'call: "<tool_call>" NL? %json {schema} NL? "</tool_call>"',
+        r"TEXT: /[^<][\s\S]*/",  # text: anything that does not begin a call
+        r"NL: /\n/",
+    ]) + "\n"
 
 
 # -- the prompt ----------------------------------------------------------------------------------
