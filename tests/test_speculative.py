@@ -262,6 +262,10 @@ def test_bad_speculative_requests_are_value_errors(llm):
         SamplingParams(speculative="medusa").validate()
     with pytest.raises(ValueError, match="spec_k"):
         SamplingParams(speculative="lookup", spec_k=0).validate()
+    # what verification does not apply is refused by name; min_p it applies (test_spec_exactness.py)
+    with pytest.raises(ValueError, match="^presence_penalty, logit_bias: not available with speculative decoding"):
+        SamplingParams(speculative="lookup", presence_penalty=0.5, logit_bias={3: 1.0}).validate()
+    SamplingParams(speculative="draft", min_p=0.1, top_p=0.9, top_k=5).validate()
     bad = LLM("tiny", kv_cache_tokens=256, draft_model="layers:9")
     with pytest.raises(ValueError, match="draft model"):
         bad.engine.add_request([5, 6, 7], SamplingParams(speculative="draft"))  # refused: nothing queued
@@ -499,3 +503,57 @@ def test_a_prompt_prefilled_in_chunks_drafts_only_after_its_controllers_first_ca
         assert log == [prompt + out.token_ids[:-1]]  # what the controller was told is the sequence
         outs[mode] = out
     assert outs["lookup"].token_ids == outs[None].token_ids and outs["lookup"].speculative["drafted"] > 0
+
+
+def test_the_speculator_changes_sequences_only_through_steering():
+    """engine/speculative.py decides and Steering edits: no sequence field is assigned, deleted or
+    mutated there (a Usage counter of the request aside), no block manager is touched, and of the
+    engine it uses only what speculative.EngineView declares."""
+    import ast
+    import inspect
+
+    from rudder.engine import speculative
+    from rudder.engine.sequence import Request, Sequence
+
+    fields = set(vars(Sequence([1], SamplingParams(), None, Request(0, [1], SamplingParams())))) - {"request"}
+    mutators = {"append", "extend", "insert", "pop", "clear", "remove", "told", "settle_draft", "on_append",
+                "on_backtrack", "took", "defer", "take_deferred"}
+
+    def sequence_field(node) -> str | None:
+        """The field when `node` is seq.<field>... (the speculator names a sequence `seq` or `s`)."""
+        chain = []
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            if isinstance(node, ast.Attribute):
+                chain.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in ("seq", "s") and chain and chain[-1] in fields:
+            return f"{node.id}.{'.'.join(reversed(chain))}"
+        return None
+
+    tree = ast.parse(inspect.getsource(speculative))
+    edits, engine_uses = [], set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if sequence_field(t):
+                    edits.append(f"line {node.lineno}: {sequence_field(t)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators:
+            if sequence_field(node.func.value):
+                edits.append(f"line {node.lineno}: {sequence_field(node.func.value)}.{node.func.attr}()")
+        if isinstance(node, ast.Attribute) and node.attr in ("block_manager", "bm", "scheduler", "runner", "calls"):
+            edits.append(f"line {node.lineno}: .{node.attr}")
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "engine"
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
+            engine_uses.add(node.attr)
+    assert edits == []
+    declared = set(speculative.EngineView.__annotations__) | {
+        n for n, v in vars(speculative.EngineView).items() if callable(v) and not n.startswith("_")}
+    assert engine_uses <= declared, engine_uses - declared
+    from rudder.engine.llm_engine import Engine
+
+    assert all(hasattr(Engine, n) or n in ("steering", "sampler") for n in declared)

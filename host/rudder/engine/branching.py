@@ -2,9 +2,10 @@
 "What a Branch does").
 
 The rules (`check`, `tokens_after`, `ends_sequence`) and `Steering`, which applies them to
-sequences - backtrack, fast-forward, fork, defer, sample, append, finish - keeping the KV block
-tables, the streamed text and each controller's cursor in step. The engine loop, the
-speculative verifier and the pipeline all go through it; none of them edits a sequence itself.
+sequences - backtrack, fast-forward, fork, defer, sample, append, finish, and a speculative
+draft's tokens (attach, settle, rewind) - keeping the KV block tables, the streamed text and
+each controller's cursor in step. The engine loop, the speculator and the pipeline all go
+through it; none of them edits a sequence itself.
 """
 
 from __future__ import annotations
@@ -141,8 +142,7 @@ class Steering:
             deltas.append(self.backtrack(seq, n))
             if not appends:
                 # Stale logits: drop one more position and re-feed it, then sample (docs/abi.md).
-                self.bm.pop(seq.seq_id, 1)
-                seq.num_cached -= 1
+                self.rewind(seq, 1)
                 seq.request.work += 1
                 if branch.samples:
                     seq.cursor.defer(branch)
@@ -214,14 +214,49 @@ class Steering:
     def backtrack(self, seq: Sequence, n: int) -> Delta:
         """Remove the last n tokens: from the sequence, its KV positions, its logprobs and its text."""
         del seq.token_ids[len(seq.token_ids) - n:]
-        self.bm.pop(seq.seq_id, n)
-        seq.num_cached -= n
+        self.rewind(seq, n)
         seq.num_prompt = min(seq.num_prompt, len(seq.token_ids))
         if seq.cursor is not None:
             seq.cursor.on_backtrack(n)
         del seq.logprobs[max(0, len(seq.logprobs) - n):]
         chars = seq.output.pop(n)
         return Delta(seq.request_id, seq.branch, "", [], backtrack_chars=chars, backtrack_tokens=n)
+
+    def rewind(self, seq: Sequence, n: int) -> None:
+        """Drop the KV positions of the last n fed tokens: taken back, or to be fed again."""
+        if n:
+            self.bm.pop(seq.seq_id, n)
+            seq.num_cached -= n
+
+    # -- a speculative draft (engine/speculative.py decides what stays; these apply it)
+
+    def attach_draft(self, seq: Sequence, draft) -> None:
+        """The draft's tokens become pending tokens: the step feeds them with the sampled one, and
+        `settle_draft` decides what stays. The controller has been told them (`tell_ahead`)."""
+        seq.draft = draft
+        seq.token_ids.extend(draft.tokens)
+
+    def tell_ahead(self, seq: Sequence, tokens: list[int]) -> None:
+        """The controller is told `tokens` while drafting, before the sequence holds them."""
+        if seq.cursor is not None:
+            seq.cursor.told(tokens)
+
+    def settle_draft(self, seq: Sequence, accepted: list[tuple[list[int], int]], fed: bool,
+                     deltas: list[Delta]) -> None:
+        """End the sequence's draft: its tokens come off, the `accepted` ones - (tokens, how many
+        of them sampled) each - are appended again (counted, streamed, stops checked), and when
+        the step `fed` the draft, the KV positions of the rest are rewound. The controller, told
+        every draft token, takes the rest back at its next call (as a backtrack)."""
+        draft, seq.draft = seq.draft, None
+        del seq.token_ids[draft.base:]
+        if fed:
+            self.rewind(seq, len(draft.tokens) - sum(len(tokens) for tokens, _ in accepted))
+        for tokens, sampled in accepted:
+            deltas.append(self.append(seq, list(tokens), sampled=sampled))
+            if seq.finished:
+                return
+        if seq.cursor is not None:
+            seq.cursor.settle_draft()
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> Delta:
         self._end(seq, reason, error)

@@ -98,13 +98,14 @@ class DraftModel:
         try:
             slots = self.bm.append(key, len(tokens) - n)
         except KVCacheFull:
-            self.release(key)
+            self.drop(key)
             return None
         view = SimpleNamespace(token_ids=tokens, num_cached=n)
         cached.extend(tokens[n:])
         return ScheduledSeq(view, len(tokens) - n, slots, self.bm.tables[key], True)
 
-    def release(self, key: int) -> None:
+    def drop(self, key: int) -> None:
+        """Forget a sequence: its tokens and its blocks of the draft cache."""
         if self.cached.pop(key, None) is not None:
             self.bm.free(key)
 
@@ -127,7 +128,7 @@ class DraftModel:
                 times.append(time.perf_counter() - t0)
             return per_read, sorted(times)[len(times) // 2]
         finally:
-            self.release(key)
+            self.drop(key)
 
 
 def _truncated(target, num_layers: int):

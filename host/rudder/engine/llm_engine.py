@@ -32,6 +32,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,11 +46,12 @@ from .branching import Sample, Steering
 from .config import EngineConfig
 from .controller_calls import ControllerCalls
 from .cursor import Controller, ControllerCursor
+from .drafts import DraftModel, build_draft_model
 from .model_runner import ModelRunner
 from .output import Completion, Delta, TextOutput
 from .runner import Runner, RunnerFailure
 from .sampler import Sampler, take_rows
-from .scheduler import Scheduler
+from .scheduler import Headroom, Scheduler
 from .sequence import Request, SamplingParams, Sequence
 from .step import ScheduledSeq
 
@@ -116,7 +118,7 @@ class Engine:
                              "threads instead (pipeline_threads for a pipeline)")
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_seqs)
         self.steering = Steering(self.block_manager, self.scheduler, tokenizer.stop_token_ids,
-                                 self.cfg.max_position, config.max_forks, self._release_sequence)
+                                 self.cfg.max_position, config.max_forks, self._sequence_ended)
         self.calls = ControllerCalls(config.controller_threads)
         # An engine dropped without close() still ends its worker threads (they hold the calls'
         # queue, not the engine, so the engine itself can be collected).
@@ -226,10 +228,10 @@ class Engine:
         if self.scheduler.waiting:
             self._take_first_answers(deltas)
         if self.spec is not None:  # speculative sequences draft the tokens this step verifies
-            self.spec.propose(deltas, busy, limit)
+            self.spec.propose(busy, limit)
         batch, unfit = self.scheduler.schedule(busy=busy, limit=limit)
         if self.spec is not None:
-            self.spec.settle(batch, deltas, busy)
+            self.spec.settle(batch, busy)
         for seq in unfit:
             deltas.append(self.steering.finish(seq, "error", f"the sequence ({len(seq)} tokens) does not fit "
                                                "in the KV cache"))
@@ -336,7 +338,8 @@ class Engine:
                         itertools.accumulate((e.logit_rows for e in flight.batch if e.sample), initial=0)))
         drafted = [s for s in flight.ready if s.draft is not None and not s.finished]
         if drafted:  # verify the drafts (their rows row, row + 1, ...), all rows fetched at once
-            samples.extend(self.spec.verify(drafted, rows, flight, deltas))
+            samples.extend(self.spec.verify(drafted, rows, partial(self.runner.logits, flight.handle), flight.launched,
+                                            deltas))
         verified = {s.seq_id for s in drafted}
         late = self._late_calls(flight, verified)
         for seq in flight.ready:
@@ -418,10 +421,10 @@ class Engine:
         for s, token, logprob in zip(samples, out.tokens, out.logprobs):
             self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
 
-    def _release_sequence(self, seq: Sequence) -> None:
+    def _sequence_ended(self, seq: Sequence) -> None:
         """A sequence ended (Steering calls this): its controller and draft go."""
         if self.spec is not None:
-            self.spec.release(seq)
+            self.spec.forget(seq)
         cursor, seq.cursor = seq.cursor, None
         if cursor is None:
             return
@@ -434,6 +437,21 @@ class Engine:
             _close_when_done([cursor.started], cursor.controller)
         else:
             cursor.close()
+
+    # -- what the speculator asks of the engine (speculative.EngineView) ------------------------
+
+    def runnable(self, busy, limit: int | None = None) -> list[Sequence]:
+        return [s for s in self.scheduler.running if s.seq_id not in busy][:limit]
+
+    def headroom(self, running: list[Sequence]) -> Headroom:
+        return self.scheduler.headroom(running)
+
+    def call_controllers(self, calls: dict, inline: bool) -> dict:
+        return self.calls.submit([(seq, seq.cursor.controller, *args) for seq, args in calls.items()], inline=inline)
+
+    def new_draft_model(self) -> DraftModel:
+        model = build_draft_model(self.config.draft_model, self.model)
+        return DraftModel(model, self.block_manager.num_blocks, self.block_manager.block_size)
 
     def _fail_all(self, message: str) -> list[Delta]:
         """The runner is gone: every unfinished request ends with `message`."""

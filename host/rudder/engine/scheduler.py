@@ -106,6 +106,11 @@ class Scheduler:
             budget -= n
         return batch, unfit
 
+    def headroom(self, running: list[Sequence]) -> "Headroom":
+        """What the next step can take beyond the pending tokens of `running` (the sequences it
+        takes first)."""
+        return Headroom(self, running)
+
     def _preempt(self, victim: Sequence, batch: list[ScheduledSeq]) -> int:
         """Free the victim's blocks (it is recomputed from scratch when readmitted).
         Returns the step tokens this gives back."""
@@ -121,3 +126,30 @@ class Scheduler:
         victim.status = SeqStatus.WAITING
         self.waiting.appendleft(victim)
         return given_back
+
+
+class Headroom:
+    """Step tokens and free KV blocks left over by the sequences a step takes first, handed out
+    to sequences that feed extra positions after their pending token (speculative drafts): the
+    step then takes each of them whole, with no preemption and no partial feed."""
+
+    def __init__(self, scheduler: Scheduler, running: list[Sequence]):
+        bm = self.bm = scheduler.bm
+        self.tokens = scheduler.max_batch_tokens - sum(s.num_pending for s in running)
+        self.blocks = bm.num_free - sum(bm.blocks_needed(s.seq_id, s.num_pending) for s in running
+                                        if s.seq_id in bm.tables)
+
+    def room(self, seq: Sequence, most: int) -> int:
+        """The most extra positions, up to `most`, that `seq` (one token pending) can feed."""
+        room = min(most, self.tokens, self.bm.num_blocks * self.bm.block_size - len(seq))
+        while room > 0 and self._blocks(seq, room) > self.blocks:
+            room -= 1
+        return max(room, 0)
+
+    def take(self, seq: Sequence, extra: int) -> None:
+        """`seq` feeds `extra` positions more this step."""
+        self.tokens -= extra
+        self.blocks -= self._blocks(seq, extra)
+
+    def _blocks(self, seq: Sequence, extra: int) -> int:
+        return self.bm.blocks_needed(seq.seq_id, 1 + extra) - self.bm.blocks_needed(seq.seq_id, 1)

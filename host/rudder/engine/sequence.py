@@ -84,8 +84,10 @@ class SamplingParams:
             if any(k < 0 for k in bias) or any(not -100.0 <= v <= 100.0 for v in bias.values()):
                 raise ValueError("logit_bias maps token ids (>= 0) to values between -100 and 100")
             self.logit_bias = bias
-        if self.speculative is not None and (self.penalized or self.logit_bias):
-            raise ValueError("penalties and logit_bias are not available with speculative decoding")
+        if self.speculative is not None:  # verification draws from sampling_weights, after masks alone
+            refused = [n for n in self.processing_fields() if n != "min_p"]
+            if refused:
+                raise ValueError(f"{', '.join(refused)}: not available with speculative decoding")
         constraint = self.constraint_fields() + [n for n in ("json_undeclared", "reasoning")
                                                  if getattr(self, n) not in (None, False)]
         if constraint:
@@ -102,6 +104,13 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether the sampler changes the logits beyond masks, temperature and top-k/p."""
         return self.penalized or bool(self.logit_bias) or self.min_p > 0
+
+    def processing_fields(self) -> list[str]:
+        """The logit-processing fields that are set (what makes the params `processed`)."""
+        return [n for n, on in (("presence_penalty", self.presence_penalty),
+                                ("frequency_penalty", self.frequency_penalty),
+                                ("repetition_penalty", self.repetition_penalty != 1.0), ("min_p", self.min_p),
+                                ("logit_bias", self.logit_bias)) if on]
 
     def constraint_fields(self) -> list[str]:
         """The structured-output fields that are set."""

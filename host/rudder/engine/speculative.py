@@ -26,14 +26,18 @@ runner (`Runner.logits`), so a pipeline verifies like one process.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
 from ..branch import Branch
-from .branching import Sample, ends_sequence, mask_allows, tokens_after
-from .drafts import DraftModel, PromptLookup, build_draft_model
+from .branching import Sample, Steering, ends_sequence, mask_allows, tokens_after
+from .drafts import DraftModel, PromptLookup
 from .sampler import Sampler, argmax, sampling_weights, take_rows
+from .scheduler import Headroom
+from .sequence import Sequence
 
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
@@ -250,13 +254,33 @@ def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
     return min(int(torch.searchsorted(cdf, cdf[-1] * u, right=True)), weights.shape[0] - 1)
 
 
+class EngineView(Protocol):
+    """What the Speculator asks of the engine (engine/llm_engine.py's Engine), and nothing else:
+    every change to a sequence goes through `steering`."""
+
+    steering: Steering
+    sampler: Sampler  # its masks (drafting and verification run on the engine's thread)
+
+    def runnable(self, busy, limit: int | None = None) -> list[Sequence]:
+        """The running sequences not in a step in flight, in the order the next step takes them."""
+
+    def headroom(self, running: list[Sequence]) -> Headroom:
+        """The step tokens and KV blocks the next step has beyond `running`'s pending tokens."""
+
+    def call_controllers(self, calls: dict, inline: bool) -> dict[Sequence, Future]:
+        """Start mid_process calls, {seq: (branch, backtrack, tokens)}: (answer, seconds) futures."""
+
+    def new_draft_model(self) -> DraftModel:
+        """The draft model of the engine's config (a ValueError for a bad spec)."""
+
+
 class Speculator:
     """Drafting before the step, verification after it, for the engine's speculative sequences."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineView):
         self.engine = engine
         self.steering = engine.steering
-        self.sampler = Sampler(engine.cfg.vocab_size)  # for its masks: drafts and verification run here
+        self.sampler = engine.sampler
         self.lookup = PromptLookup()
         self._draft_model: DraftModel | None = None
         self.adaptive: dict[int, _Adaptive] = {}  # by seq_id
@@ -269,9 +293,7 @@ class Speculator:
     def draft_model(self) -> DraftModel:
         """The engine's draft model (built on first use: a ValueError for a bad spec)."""
         if self._draft_model is None:
-            eng = self.engine
-            model = build_draft_model(eng.config.draft_model, eng.model)
-            self._draft_model = DraftModel(model, eng.block_manager.num_blocks, eng.block_manager.block_size)
+            self._draft_model = self.engine.new_draft_model()
             # Its costs timed now (~0.1 s, once): guessed costs made the first drafting request
             # draft and read its whole prompt into the draft model, then measure that it did not
             # pay (extraction with an int8 draft: 0.87x of plain in that request).
@@ -287,11 +309,10 @@ class Speculator:
 
     # -- drafting ------------------------------------------------------------------------------
 
-    def propose(self, deltas, busy, limit: int | None) -> None:
+    def propose(self, busy, limit: int | None) -> None:
         """Draft for the speculative sequences the scheduler will take next (`limit`: the most it
         takes; `busy`: sequences in a step in flight, left alone)."""
-        eng = self.engine
-        running = [s for s in eng.scheduler.running if s.seq_id not in busy][:limit]
+        running = self.engine.runnable(busy, limit)
         now = time.perf_counter()
         for seq in running:  # the guard's clock: every speculative sequence's last step
             if seq.params.speculative and seq.params.seed is None:
@@ -307,16 +328,11 @@ class Speculator:
             return
         # Room for the drafts in this step's token budget and in the free KV blocks, so that the
         # scheduler takes every drafted sequence whole (no preemption, no partial feed).
-        bm = eng.block_manager
-        budget = eng.scheduler.max_batch_tokens - sum(s.num_pending for s in running)
-        free = bm.num_free - sum(bm.blocks_needed(s.seq_id, s.num_pending) for s in running if s.seq_id in bm.tables)
+        headroom = self.engine.headroom(running)
         drafts = {}
         for seq in candidates:
             p = seq.params
-            room = min(budget, p.max_tokens - seq.num_output - 1, eng.cfg.max_position - len(seq) - 1,
-                       bm.num_blocks * bm.block_size - len(seq))
-            while room > 0 and bm.blocks_needed(seq.seq_id, 1 + room) - bm.blocks_needed(seq.seq_id, 1) > free:
-                room -= 1
+            room = headroom.room(seq, min(p.max_tokens - seq.num_output, self.steering.max_position - len(seq)) - 1)
             if room <= 0:
                 continue
             ad = self._adaptive(seq)
@@ -336,8 +352,7 @@ class Speculator:
             if k == 0:
                 continue
             d = drafts[seq] = Draft(len(seq), k, min(k + FORCED_ROOM, room))
-            budget -= d.room
-            free -= bm.blocks_needed(seq.seq_id, 1 + d.room) - bm.blocks_needed(seq.seq_id, 1)
+            headroom.take(seq, d.room)
         if drafts:
             self._draft(drafts)
         self._began(running, set(candidates), now)
@@ -387,7 +402,7 @@ class Speculator:
             # One call with nothing to overlap it (no draft model's forward, no other sequence's
             # call) runs here: a worker thread's round trip costs ~50-100 us, and a draft of k
             # tokens makes k of them (speculative.py, extraction: ~0.5 ms a step).
-            tasks = self._start_calls(tell, inline=len(tell) <= 1 and not by_source["draft"])
+            tasks = self.engine.call_controllers(tell, inline=len(tell) <= 1 and not by_source["draft"])
             model_rows, caught_up = {}, True
             if by_source["draft"]:  # the draft model computes while the controllers run
                 jobs = [(s.seq_id, s.token_ids + drafts[s].tokens) for s in by_source["draft"]]
@@ -415,7 +430,7 @@ class Speculator:
                 d.steps.append(step)
                 d.tokens.extend(step.tokens)
                 if seq.cursor is not None:
-                    seq.cursor.told(step.tokens)
+                    self.steering.tell_ahead(seq, step.tokens)
                     tell[seq] = (0, 0, step.tokens)
             if active:
                 n = sum(1 for s in active if not drafts[s].done)
@@ -427,13 +442,7 @@ class Speculator:
             if not any(not d.done for d in drafts.values()):
                 break
         for seq, d in drafts.items():
-            seq.draft = d
-            seq.token_ids.extend(d.tokens)  # pending: the scheduler feeds them with the real token
-
-    def _start_calls(self, tell: dict, inline: bool) -> dict:
-        """The controllers' mid_process calls: a Future of (answer, CPU seconds) per sequence."""
-        return self.engine.calls.submit([(seq, seq.cursor.controller, *args) for seq, args in tell.items()],
-                                        inline=inline)
+            self.steering.attach_draft(seq, d)
 
     def _next_step(self, seq, d: Draft, draft_logits) -> _Step | None:
         """The next drafted position under the controller's latest answer, or None to end the
@@ -496,7 +505,7 @@ class Speculator:
 
     # -- scheduling ----------------------------------------------------------------------------
 
-    def settle(self, batch: list, deltas, busy) -> None:
+    def settle(self, batch: list, busy) -> None:
         """Mark the verification rows of drafted sequences in the scheduled batch; count forwards."""
         for entry in batch:
             seq = entry.seq
@@ -506,28 +515,24 @@ class Speculator:
             if seq.draft is not None:
                 entry.logit_rows = 1 + len(seq.draft.tokens)
         scheduled = {e.seq.seq_id for e in batch if e.sample}
-        for seq in self.engine.scheduler.running:
-            if seq.draft is not None and seq.seq_id not in scheduled and seq.seq_id not in busy:
-                self._undo(seq)  # propose() reserved its room, so this should not happen
-
-    def _undo(self, seq) -> None:
-        """Drop a draft that will not be verified: its tokens go, and the controller (told them
-        while drafting) takes them back at its next call."""
-        d, seq.draft = seq.draft, None
-        del seq.token_ids[d.base:]
-        if seq.cursor is not None:
-            seq.cursor.settle_draft()
+        for seq in self.engine.runnable(busy):
+            if seq.draft is not None and seq.seq_id not in scheduled:
+                # propose() reserved its room, so this should not happen: the draft goes unverified,
+                # and the controller (told its tokens) takes them back at its next call
+                self.steering.settle_draft(seq, [], fed=False, deltas=[])
 
     # -- verification --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def verify(self, drafted: list, rows: dict, flight, deltas) -> list[Sample]:
-        """Verify the drafts of a completed step (its logits rows fetched in one call); returns
-        the rows the engine samples (the controllers' answers after fully accepted drafts)."""
+    def verify(self, drafted: list, rows: dict, logits: Callable[[list[int]], torch.Tensor], launched: float,
+               deltas) -> list[Sample]:
+        """Verify the drafts of a completed step, launched at `launched` (perf_counter); `logits`
+        fetches rows of its logits (the runner's, in one call). Returns the rows the engine samples
+        (the controllers' answers after fully accepted drafts)."""
         sizes = [len(seq.draft.tokens) for seq in drafted]
         wanted = [r for seq, n in zip(drafted, sizes) for r in range(rows[seq.seq_id], rows[seq.seq_id] + n)]
-        fetched = self.engine.runner.logits(flight.handle, wanted) if wanted else None
-        elapsed = time.perf_counter() - flight.launched
+        fetched = logits(wanted) if wanted else None
+        elapsed = time.perf_counter() - launched
         samples, at = [], 0
         for seq, n in zip(drafted, sizes):
             at += n
@@ -539,12 +544,10 @@ class Speculator:
 
     def _verify_one(self, seq, logits, row: int, deltas) -> list[Sample]:
         """Accept the longest agreeing prefix of the draft (`logits`: one row per drafted position)."""
-        d, seq.draft = seq.draft, None
-        n_drafted = len(d.tokens)
-        del seq.token_ids[d.base:]  # re-appended below as they are accepted
+        d = seq.draft
         stats = self._stats(seq)
         stats.spec_steps += 1
-        kept, accepted, rejected, corrected = 0, [], None, None
+        kept, accepted, rejected, corrected = 0, [], None, None  # kept: the accepted steps' tokens
         for step in d.steps:
             if not step.forced:
                 ok, token = self._check(seq, logits[kept], step)
@@ -558,20 +561,14 @@ class Speculator:
             accepted.append(step)
             kept += len(step.tokens)
         self.adaptive[seq.seq_id].observe(sum(not s.forced for s in accepted), rejected is not None)
-
-        if kept < n_drafted:  # rewind the target's cache past the accepted tokens
-            self.engine.block_manager.pop(seq.seq_id, n_drafted - kept)
-            seq.num_cached -= n_drafted - kept
-        for step in accepted:  # a verified token counts as sampled (plus its ff list); a forced one as ff
-            deltas.append(self.steering.append(seq, list(step.tokens), sampled=0 if step.forced else 1))
-            if seq.finished:
-                return []
-        if seq.cursor is not None:
-            seq.cursor.settle_draft()  # it was told every draft token: the rejected ones go back
+        # a verified token counts as sampled (plus its ff list); a forced one as fast-forwarded
+        self.steering.settle_draft(seq, [(s.tokens, 0 if s.forced else 1) for s in accepted], True, deltas)
+        if seq.finished:
+            return []
         if rejected is not None:
             self.steering.take_sample(seq, rejected.branch, corrected, None, deltas)
             return []
-        end = row + n_drafted  # the position after the draft: the controller's last answer applies
+        end = row + len(d.tokens)  # the position after the draft: the controller's last answer applies
         if seq.cursor is None:
             return [Sample(seq, end, None)]
         return self.steering.apply_answer(seq, end, d.answer, deltas)
@@ -606,12 +603,11 @@ class Speculator:
             req.spec_stats = SpecStats()
         return req.spec_stats
 
-    def release(self, seq) -> None:
+    def forget(self, seq) -> None:
         """The sequence finished: drop its draft-cache blocks and estimates (and an unverified
         draft: it finished before its verification, e.g. a fork of its request failed)."""
         if seq.draft is not None:
-            del seq.token_ids[seq.draft.base:]
-            seq.draft = None
+            self.steering.settle_draft(seq, [], fed=False, deltas=[])
         self.adaptive.pop(seq.seq_id, None)
         if self._draft_model is not None:
-            self._draft_model.release(seq.seq_id)
+            self._draft_model.drop(seq.seq_id)
