@@ -1,10 +1,12 @@
 """The structured-output client libraries people use, against a real `rudder serve` with SmolLM2,
-sampling at temperature 0.7: instructor (JSON_SCHEMA, TOOLS, TOOLS_STRICT, PARALLEL_TOOLS) and
+sampling at temperature 0.7: instructor (JSON_SCHEMA, TOOLS, TOOLS_STRICT) and
 langchain-openai (`with_structured_output` by json_schema and function_calling, `bind_tools` with
 a named tool, "required" over several tools, and "auto"). Each mode must return a parsed object for
 every one of 10 seeds: a pydantic model's schema has no additionalProperties, and a client expects
 only its declared fields (the server's default). The seeds of a mode run concurrently (the server
-batches them)."""
+batches them). instructor's JSON, MD_JSON and PARALLEL_TOOLS modes (and langchain's json_mode)
+ask for no schema (any JSON object, free text, or tool_choice "auto"): the schema is only in the
+prompt, and SmolLM2 does not follow it; those are not structured output."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def each_seed(call) -> list:
         return list(pool.map(call, SEEDS))
 
 
-@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS", "TOOLS_STRICT", "PARALLEL_TOOLS"])
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS", "TOOLS_STRICT"])
 @pytest.mark.parametrize("model", [City, Person], ids=["City", "Person"])
 def test_instructor(server, mode, model):
     import instructor
@@ -70,14 +72,12 @@ def test_instructor(server, mode, model):
     prompt = PROMPT if model is City else "Invent a person who works as an engineer."
 
     def call(seed):
-        response_model = model if mode != "PARALLEL_TOOLS" else list[model]
-        return ic.chat.completions.create(model="smollm2", response_model=response_model, max_tokens=80,
+        return ic.chat.completions.create(model="smollm2", response_model=model, max_tokens=80,
                                           temperature=0.7, seed=seed, max_retries=0,
                                           messages=[{"role": "user", "content": prompt}])
 
     for out in each_seed(call):
-        items = list(out) if mode == "PARALLEL_TOOLS" else [out]
-        assert items and all(isinstance(x, model) for x in items), out
+        assert isinstance(out, model), out
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])

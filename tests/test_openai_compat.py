@@ -122,6 +122,53 @@ def test_json_whitespace_and_additional_properties_options(client):
         chat(client, extra_body={"structured_outputs": {"json": loose, "whitespace_pattern": "[ ]{4}"}})
 
 
+def test_only_declared_properties_unless_json_undeclared_allows_more(client):
+    """A schema without additionalProperties: only its properties (the default, as vLLM's); with
+    "json_undeclared": "allow" extra keys come too (a bias on "," makes the random model add them),
+    in response_format and in a tool's parameters alike; strict refuses "allow"."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    bias = {tok(","): 4, tok('"'): 4}   # extra keys, if they may come
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    named = {"type": "function", "function": {"name": "f"}}
+    for mode in (None, "allow"):
+        extra = {} if mode is None else {"json_undeclared": mode}
+        texts = []
+        for seed in range(6):
+            out = chat(client, seed=seed, max_tokens=60, response_format=fmt, logit_bias=bias, extra_body=extra)
+            texts.append(out.choices[0].message.content)
+            out = chat(client, seed=seed, max_tokens=60, tools=[tool], tool_choice=named, logit_bias=bias,
+                       extra_body=extra)
+            call = out.choices[0].message.tool_calls
+            texts.append(call[0].function.arguments if call else out.choices[0].message.content)
+        if mode is None:   # the one key, then the end
+            assert all(re.fullmatch(r'\{"a":-?[0-9]*\}?', t) for t in texts), texts
+        else:              # extra keys (they may come before the declared one)
+            assert sum(not t.startswith('{"a":') or not re.fullmatch(r'\{"a":-?[0-9]*\}?', t) for t in texts) >= 4, texts
+    with pytest.raises(openai.BadRequestError, match="undeclared"):
+        chat(client, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                             "strict": True}},
+             extra_body={"json_undeclared": "allow"})
+    with pytest.raises(openai.BadRequestError, match="json_undeclared applies to"):
+        chat(client, extra_body={"json_undeclared": "allow", "guided_regex": "a+"})
+
+
+def test_strict_refuses_what_it_cannot_honour_with_the_path(client):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}, "required": ["tags"]}
+    loose = chat(client, max_tokens=40, response_format={"type": "json_schema", "json_schema": {
+        "name": "s", "schema": schema}})   # relaxed (documented) when not strict
+    assert loose.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                             "strict": True}})
+    assert "uniqueItems" in info.value.body["message"] and "#/properties/tags" in info.value.body["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}
+    for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+            chat(client, tools=[tool], tool_choice=tool_choice)
+
+
 REGEX = r"(yes|no)-[0-9]{2}"
 GBNF = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "zz"\n'
 LARK = 'start: "(" ITEM ("," ITEM)* ")"\nITEM: /[a-c]/ | "zz"\n'

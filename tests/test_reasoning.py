@@ -167,3 +167,25 @@ def test_smollm2_thinks_within_the_budget_then_answers_in_json():
             assert out.error is None and out.finish_reason == "stop", out
             assert out.reasoning.strip()
             jsonschema.validate(json.loads(out.text), schema)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
+def test_a_named_or_required_tool_call_follows_the_thinking(client, tool_choice):
+    for seed in range(3):
+        out = chat(client, tools=[WEATHER, CLOCK], tool_choice=tool_choice, seed=seed, max_tokens=120,
+                   parallel_tool_calls=False, extra_body={"thinking_token_budget": 6})
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        assert isinstance(choice.message.model_extra["reasoning_content"], str)
+        for call in choice.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert len(choice.message.tool_calls) == 1
+            if isinstance(tool_choice, dict):
+                assert call.function.name == "get_time"
+            assert args in ([{"zone": z} for z in ("UTC", "CET")] + [{"city": c} for c in ("Paris", "Oslo")])

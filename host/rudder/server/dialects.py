@@ -150,11 +150,12 @@ def steer_of(body, tools: ToolPlan | None = None, reasoning: Reasoning | None = 
                            param="rudder.max_backtrack")
 
     if tools is not None and tools.constraint is not None:
+        schemas.append("tools")   # (json_undeclared reached the tools' schemas through ToolPlan)
         add(tools.constraint)
 
     if undeclared is not None and not schemas:
         raise APIError("invalid_request", "json_undeclared applies to response_format json_schema, guided_json, "
-                       "structured_outputs.json, json_schema or rudder.json_schema, and the request has none",
+                       "structured_outputs.json, json_schema, rudder.json_schema or tools, and the request has none",
                        param="json_undeclared")
     if len(found) > 1:
         a, b = found[0].param, found[1].param

@@ -66,17 +66,15 @@ class _Shape:
 async def _chat(svc: Service, body: ChatRequest, request: Request):
     body.refuse_unsupported()
     svc.check_model(body.model)
-    plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    reasoning = svc.config.reasoning
+    plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, undeclared=body.json_undeclared,
+                       reasoning=reasoning is not None)
     if plan is not None and plan.mode and body.n > 1:
         raise APIError("invalid_request", "n > 1 with tool calls is not supported: send n requests", param="n")
     messages = render_messages([{"role": m.role, "content": m.text(), "tool_calls": m.tool_calls}
                                 for m in body.messages], plan)
     prompt = svc.chat_prompt(messages, plan.prompt_suffix if plan is not None else "")
     ids = svc.encode(prompt, "messages")
-    reasoning = svc.config.reasoning
-    if reasoning is not None and plan is not None and plan.mode == "json":
-        raise APIError("invalid_request", "a named or required tool_choice with --reasoning-parser is not "
-                       "supported yet: use tool_choice auto", param="tool_choice")
     steer = steer_of(body, plan, reasoning)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")

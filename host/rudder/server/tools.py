@@ -20,6 +20,10 @@ and a call is
   keyword it knows);
 - "none": the tools are not shown and the output is text.
 
+With a reasoning model (`--reasoning-parser`) the thinking comes first, so the named and
+"required" modes constrain the answer after it to `<tool_call>` blocks (as "auto" does, without
+the text alternative).
+
 In the constrained modes (named, "required") the prompt already ends with `<tool_call>` and the
 output is the bare JSON object. Replies carry `tool_calls` (finish_reason "tool_calls");
 streams carry them as deltas: the call's id, type and name first, then its arguments in pieces.
@@ -56,7 +60,11 @@ class ToolPlan:
     mode: str | None = None
 
     @classmethod
-    def of(cls, tools: list | None, tool_choice: Any, parallel: bool | None) -> "ToolPlan | None":
+    def of(cls, tools: list | None, tool_choice: Any, parallel: bool | None, *, undeclared: str | None = None,
+           reasoning: bool = False) -> "ToolPlan | None":
+        """`undeclared`: the request's json_undeclared, for every tool's parameters. `reasoning`:
+        the model thinks first, so a call cannot begin in the prompt: the named and "required"
+        modes constrain the answer to <tool_call> blocks (mode "tagged") instead of a bare object."""
         if not tools:
             if tool_choice not in (None, "none", "auto"):
                 raise APIError("invalid_request", "tool_choice needs tools", param="tool_choice")
@@ -65,25 +73,39 @@ class ToolPlan:
         names = [f["name"] for f in functions]
         if len(set(names)) != len(names):
             raise APIError("invalid_request", "tools: function names must be unique", param="tools")
+        if undeclared == "allow" and any(f["strict"] for f in functions):
+            raise APIError("invalid_request", "json_undeclared \"allow\" contradicts a strict tool (a strict schema "
+                           "generates only declared properties)", param="json_undeclared")
         plan = cls(functions, "auto", parallel=parallel is not False)
         if tool_choice is None or tool_choice == "auto":
-            plan.constraint, plan.mode = Constraint("grammar", _auto_grammar(functions, plan.parallel), "tools"), "tagged"
-        elif tool_choice == "none":
+            plan.constraint = Constraint("grammar", _tagged_grammar(functions, plan.parallel, undeclared, text=True),
+                                         "tools")
+            plan.mode = "tagged"
+            return plan
+        if tool_choice == "none":
             plan.choice = "none"
-        elif tool_choice == "required":
-            plan.choice, plan.mode = "required", "json"
-            plan.constraint = Constraint("json", json.dumps(_call_schema(functions), ensure_ascii=False), "tool_choice")
+            return plan
+        if tool_choice == "required":
+            plan.choice, chosen = "required", functions
         elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
             name = (tool_choice.get("function") or {}).get("name")
             chosen = [f for f in functions if f["name"] == name]
             if not chosen:
                 raise APIError("invalid_request", f"tool_choice names {name!r}, which is not in tools",
                                param="tool_choice")
-            plan.choice, plan.named, plan.mode = "named", name, "json"
-            plan.constraint = Constraint("json", json.dumps(_call_schema(chosen), ensure_ascii=False), "tool_choice")
+            plan.choice, plan.named = "named", name
         else:
             raise APIError("invalid_request", 'tool_choice is "none", "auto", "required" or '
                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+        if reasoning:   # after the thinking: <tool_call> blocks only (one for a named function)
+            parallel = plan.parallel and plan.choice == "required"
+            plan.constraint = Constraint("grammar", _tagged_grammar(chosen, parallel, undeclared, text=False),
+                                         "tool_choice")
+            plan.mode = "tagged"
+        else:
+            plan.constraint = Constraint("json", json.dumps(_call_schema(chosen, undeclared), ensure_ascii=False),
+                                         "tool_choice")
+            plan.mode = "json"
         return plan
 
     def system_text(self) -> str:
@@ -135,7 +157,7 @@ def _rebase_refs(node: Any, base: str) -> Any:
     return out
 
 
-def _call_schema(functions: list[dict]) -> dict:
+def _call_schema(functions: list[dict], undeclared: str | None = None) -> dict:
     """{"name": const, "arguments": parameters} for one function, anyOf of those for several;
     every tool_choice mode constrains with it. A strict tool makes the whole schema strict (the
     json engine's root option: a keyword it cannot honour whole is refused)."""
@@ -150,20 +172,23 @@ def _call_schema(functions: list[dict]) -> dict:
         schema = {"anyOf": [one(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(functions)]}
     if any(f["strict"] for f in functions):
         schema["x-rudder-strict"] = True
+    if undeclared is not None:
+        schema["x-rudder-undeclared"] = undeclared
     return schema
 
 
 # -- "auto": a grammar of text or tool calls ------------------------------------------------------
 
-def _auto_grammar(functions: list[dict], parallel: bool) -> str:
-    """Lark: text not starting with "<", or <tool_call> blocks (one, or several when parallel)
-    whose object is the same call schema as "required"'s, embedded with `%json`."""
-    schema = json.dumps(_call_schema(functions), ensure_ascii=False)
+def _tagged_grammar(functions: list[dict], parallel: bool, undeclared: str | None, text: bool) -> str:
+    """Lark: <tool_call> blocks (one, or several when parallel) whose object is the same call
+    schema as the bare-object modes', embedded with `%json`; with `text`, text not starting with
+    "<" instead ("auto")."""
+    schema = json.dumps(_call_schema(functions, undeclared), ensure_ascii=False)
     return "\n".join([
-        "start: TEXT | calls",
+        "start: TEXT | calls" if text else "start: calls",
         "calls: call" + (" (NL? call)*" if parallel else ""),
         f'call: "<tool_call>" NL? %json {schema} NL? "</tool_call>"',
-        r"TEXT: /[^<][\s\S]*/",  # text: anything that does not begin a call
+        *([r"TEXT: /[^<][\s\S]*/"] if text else []),  # text: anything that does not begin a call
         r"NL: /\n/",
     ]) + "\n"
 
