@@ -389,8 +389,9 @@ static void sb_literal(sbuf *b, const uint8_t *s, uint32_t n);
 /* A JSON Schema pattern as one of our regexes: ECMA-262 searches (unanchored unless ^/$), and
  * writes named groups as (?<name>...); each top-level alternative keeps its own anchors.
  * Returns whether no alternative is anchored at the start: then the regex never dies on
- * valid text (its leading .* takes anything), only its match at the end matters. */
-static bool pattern_regex(const rudder_jv *p, sbuf *out) {
+ * valid text (its leading .* takes anything), only its match at the end matters. *open_end
+ * (when given): none is anchored at the end, so a match stays one whatever follows. */
+static bool pattern_regex(const rudder_jv *p, sbuf *out, bool *open_end) {
     const char *src = (const char *)p->str;
     uint32_t n = p->n, start = 0, depth = 0;
     bool in_class = false, free = true;
@@ -424,6 +425,8 @@ static bool pattern_regex(const rudder_jv *p, sbuf *out) {
         if (start)
             sb_put(out, "|", 1);
         free &= !head;
+        if (open_end)
+            *open_end &= !tail;
         if (!head)
             sb_put(out, any, (uint32_t)strlen(any));
         sb_put(out, "(?:", 3);
@@ -464,7 +467,7 @@ static rudder_rx *regex_of(comp *c, const rudder_jv *where, bregex r) {
         rx = rudder_rx_compile((const char *)r.src->str, r.src->n, msg, sizeof msg);
     } else {
         sbuf b = {0};
-        pattern_regex(r.src, &b);
+        pattern_regex(r.src, &b, NULL);
         rx = rudder_rx_compile(b.buf, b.n, msg, sizeof msg);
         rudder_free(b.buf);
     }
@@ -1881,6 +1884,14 @@ static uint32_t lower_object(comp *c, uint32_t id, const bundle *b, const rudder
             if (!rx)
                 return NONE;
             js->nodes[id].rx[1] = rx;
+            bool open_end = nb->rx[0].kind == RX_PATTERN && !nb->rx[0].negated;
+            if (open_end) {
+                sbuf tmp = {0};
+                pattern_regex(nb->rx[0].src, &tmp, &open_end);
+                rudder_free(tmp.buf);
+            }
+            if (open_end)
+                js->nodes[id].rx_free |= 2;
         }
     }
     if (extras) {
@@ -1904,10 +1915,13 @@ static uint32_t lower_object(comp *c, uint32_t id, const bundle *b, const rudder
         if (b->n_pats) {
             rudder_rx_pattern pats[MAX_PATTERNS];
             sbuf bufs[MAX_PATTERNS] = {{0}};
+            bool open_end = true;
             for (uint32_t k = 0; k < b->n_pats; k++) {
-                pattern_regex(b->pats[k].pattern, &bufs[k]);
+                pattern_regex(b->pats[k].pattern, &bufs[k], &open_end);
                 pats[k] = (rudder_rx_pattern){bufs[k].buf, bufs[k].n, false};
             }
+            if (open_end)
+                js->nodes[id].rx_free |= 1;
             char msg[200];
             rudder_rx *rx = rudder_rx_new(pats, b->n_pats, msg, sizeof msg);
             for (uint32_t k = 0; k < b->n_pats; k++)
@@ -1995,7 +2009,7 @@ static uint32_t lower_string(comp *c, uint32_t id, const bundle *b, const rudder
             node = &c->js->nodes[id];
             if (!pass && b->rx[i].kind == RX_PATTERN) {   /* does it never die? (see pattern_regex) */
                 sbuf tmp = {0};
-                if (pattern_regex(b->rx[i].src, &tmp))
+                if (pattern_regex(b->rx[i].src, &tmp, NULL))
                     node->rx_free |= (uint8_t)(1u << node->n_rx);
                 rudder_free(tmp.buf);
             }

@@ -96,6 +96,8 @@ static inline uint64_t kbit(uint64_t kh) { return 1ull << (kh >> 58); }
 #define KH_MUL 0x9e3779b97f4a7c15ull
 #define KH_STEP(h, c) ((h) * KH_MUL + (uint64_t)(c) + 1u)
 
+typedef struct rx_shape rx_shape;
+
 typedef struct js_matcher {
     thread *cur;          /* the current position: n_cur threads, sorted, distinct */
     uint32_t n_cur, cap_cur;
@@ -117,6 +119,7 @@ typedef struct js_matcher {
     thread *dfs;          /* key_ahead's threads, one per depth */
     uint16_t *dups;       /* e_key's scratch */
     uint32_t cap_dups;
+    struct rx_shape **shapes;   /* per object node, its two key regexes' (key_open_ended) */
     uint8_t *views;       /* e_key's keys_view of each thread */
     uint32_t cap_views;
     uint64_t *ext_h;      /* key_dups' scratch (g_n_ext each) */
@@ -768,6 +771,137 @@ static inline bool has_extras(const jnode *n) { return n->extra != NONE || n->n_
  * (key_ahead looks). Elsewhere one more character always leads on. */
 static inline bool restricted(const jnode *n) { return n->rx[1] || n->kmax != NONE || (n->extra == NONE && n->n_rx); }
 
+/* The shape of a regex limiting key names, from its start: for each state it reaches (at most
+ * SHAPE_STATES), whether infinitely many strings lead from it to a match, i.e. whether it
+ * reaches a cycle of states that can reach a match; `all`: true of every state that can reach
+ * a match. Computed once per (object, regex), when first needed: the states that can reach a
+ * match (backwards from the matching ones), then those left once the states with no way on
+ * among them are peeled off, repeatedly. */
+#define SHAPE_STATES 1024u
+struct rx_shape {
+    uint32_t n, mask, *state, *slot;   /* slot: open addressing, state -> index + 1 */
+    uint8_t *inf;
+    bool complete, all;
+};
+
+static uint32_t shape_find(const rx_shape *sh, uint32_t state) {
+    for (uint32_t h = state * 2654435761u & sh->mask; sh->slot[h]; h = (h + 1) & sh->mask)
+        if (sh->state[sh->slot[h] - 1] == state)
+            return sh->slot[h] - 1;
+    return NONE;
+}
+
+static void *zalloc_or_panic(uint32_t bytes) {
+    void *p = rudder_zalloc(bytes ? bytes : 1);
+    if (!p)
+        rudder_panic("jsonschema: out of memory");
+    return p;
+}
+
+static rx_shape *shape_of(rudder_rx *rx) {
+    const rudder_rx_dfa *d = (const rudder_rx_dfa *)rx;
+    uint32_t cap = SHAPE_STATES, nc = 0;
+    uint8_t reps[256];
+    for (uint32_t b = 0; b < 256; b++)
+        if (!b || d->classes[b] != d->classes[b - 1])
+            reps[nc++] = (uint8_t)b;
+    rx_shape *sh = zalloc_or_panic(sizeof *sh);
+    sh->mask = 2 * cap - 1;
+    sh->state = zalloc_or_panic(4 * cap);
+    sh->slot = zalloc_or_panic(4 * 2 * cap);
+    sh->inf = zalloc_or_panic(cap);
+    uint32_t *next = zalloc_or_panic(4 * cap * nc), *at = zalloc_or_panic(4 * (cap + 1)), *from = NULL;
+    uint32_t *deg = zalloc_or_panic(4 * cap), *queue = zalloc_or_panic(4 * cap);
+    uint8_t *good = zalloc_or_panic(cap);
+    sh->complete = true;
+    sh->state[sh->n++] = rudder_rx_start(rx, NULL);
+    sh->slot[sh->state[0] * 2654435761u & sh->mask] = 1;
+    for (uint32_t i = 0; i < sh->n && sh->complete; i++)   /* the states, and their next state per byte class */
+        for (uint32_t c = 0; c < nc && sh->complete; c++) {
+            uint32_t nx = rudder_rx_push(rx, sh->state[i], reps[c]), j = nx == RUDDER_DEAD ? NONE : shape_find(sh, nx);
+            if (nx != RUDDER_DEAD && j == NONE && sh->n == cap)
+                sh->complete = false;
+            else if (nx != RUDDER_DEAD && j == NONE) {
+                j = sh->n;
+                sh->state[sh->n++] = nx;
+                uint32_t h = nx * 2654435761u & sh->mask;
+                while (sh->slot[h])
+                    h = (h + 1) & sh->mask;
+                sh->slot[h] = j + 1;
+            }
+            next[i * nc + c] = j;
+        }
+    if (sh->complete) {
+        uint32_t n = sh->n, head = 0, tail = 0;
+        for (uint32_t e = 0; e < n * nc; e++)   /* the edges backwards: from[at[j]..at[j + 1]) lead to j */
+            if (next[e] != NONE)
+                at[next[e] + 1]++;
+        for (uint32_t j = 0; j < n; j++)
+            at[j + 1] += at[j];
+        from = zalloc_or_panic(4 * (at[n] + 1));
+        for (uint32_t e = 0; e < n * nc; e++)
+            if (next[e] != NONE)
+                from[at[next[e]] + deg[next[e]]++] = e / nc;
+        for (uint32_t i = 0; i < n; i++)   /* good: a match is reachable (backwards from the matches) */
+            if (rudder_rx_accepting(rx, sh->state[i]))
+                good[i] = 1, queue[tail++] = i;
+        while (head < tail)
+            for (uint32_t k = queue[head++], e = at[k]; e < at[k + 1]; e++)
+                if (!good[from[e]])
+                    good[from[e]] = 1, queue[tail++] = from[e];
+        head = tail = 0;   /* peel the good states whose good next states are all peeled */
+        for (uint32_t i = 0; i < n; i++) {
+            deg[i] = 0;
+            for (uint32_t c = 0; c < nc && good[i]; c++)
+                deg[i] += next[i * nc + c] != NONE && good[next[i * nc + c]];
+            sh->inf[i] = good[i];
+            if (good[i] && !deg[i])
+                queue[tail++] = i;
+        }
+        while (head < tail) {
+            uint32_t k = queue[head++];
+            sh->inf[k] = 0;
+            for (uint32_t e = at[k]; e < at[k + 1]; e++)
+                if (good[from[e]] && --deg[from[e]] == 0)
+                    queue[tail++] = from[e];
+        }
+        sh->all = true;
+        for (uint32_t i = 0; i < n; i++)
+            sh->all &= !good[i] || sh->inf[i];
+    }
+    rudder_free(next);
+    rudder_free(at);
+    rudder_free(from);
+    rudder_free(deg);
+    rudder_free(queue);
+    rudder_free(good);
+    return sh;
+}
+
+/* In a restricted object: does the key being written (top frame) have infinitely many ways to
+ * end from here (`every`: from wherever it goes), so that one not written is always within
+ * reach with no search? With no maximum length, when each regex limiting the names takes
+ * whatever follows a match (no `$`), or is so shaped (shape_of). */
+static bool key_open_ended(const rudder_js *js, const thread *s, bool every) {
+    uint32_t node = s->f[s->sp - 1].node;
+    const jnode *n = N(js, node);
+    if (n->kmax != NONE || s->lphase == SL_ESC)
+        return false;
+    for (uint32_t k = 0; k < 2; k++) {
+        if (!(k ? n->rx[1] != NULL : n->extra == NONE && n->n_rx) || (n->rx_free >> k & 1))
+            continue;   /* (it does not limit the names, or a match stays one) */
+        if (s->rx[k] == RUDDER_DEAD)
+            return false;
+        rx_shape **sh = &js->m->shapes[2 * node + k];
+        if (!*sh)
+            *sh = shape_of(n->rx[k]);
+        uint32_t i = (*sh)->complete ? shape_find(*sh, s->rx[k]) : NONE;
+        if (i == NONE || !(every ? (*sh)->all : (*sh)->inf[i]))
+            return false;
+    }
+    return true;
+}
+
 static inline uint32_t key_slot(uint64_t kh, uint32_t tag, uint32_t up) {
     return (uint32_t)((kh ^ (up * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)tag << 40)) >> 32);
 }
@@ -1095,7 +1229,7 @@ static int key_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, ui
         return OK;
     }
     f->aux = c;   /* NONE once it left every declared key */
-    if (restricted(n) && !js->m->in_dfs && wrote_extra(js, s, false) && !key_ahead(js, s))
+    if (restricted(n) && !js->m->in_dfs && wrote_extra(js, s, false) && !key_open_ended(js, s, false) && !key_ahead(js, s))
         return DEAD;   /* it could only end as a key already written */
     return OK;
 }
@@ -1113,7 +1247,7 @@ static bool key_may_come(const rudder_js *js, const thread *s, const jnode *n, c
     thread t;
     tcopy(&t, s);
     key_start(js, &t, &t.f[t.sp - 1], n, true);
-    return key_ahead(js, &t);
+    return key_open_ended(js, &t, false) || key_ahead(js, &t);
 }
 
 static int obj_byte(const rudder_js *js, thread *s, frame *f, const jnode *n, uint8_t b, bool ws) {
@@ -1806,7 +1940,7 @@ static uint32_t plain_room(const rudder_js *js, const thread *s, rudder_rx **rx,
         return n->max == NONE ? NONE : n->max - s->len;
     }
     if (n->kind == K_OBJECT && f->phase == O_IN_KEY && (f->flags & F_EXTRAS)) {
-        if (restricted(n) && wrote_extra(js, s, false))
+        if (restricted(n) && wrote_extra(js, s, false) && !key_open_ended(js, s, true))
             return 0;   /* (each byte is checked by key_ahead) */
         if (n->rx[1])
             rx[*n_rx] = n->rx[1], st[(*n_rx)++] = s->rx[1];
@@ -2294,6 +2428,9 @@ void js_matcher_init(rudder_js *js) {
         rudder_panic("jsonschema: out of memory");
     m->knodes = rudder_grow(NULL, &m->cap_knodes, 64, sizeof(knode));
     m->knodes[0] = (knode){0, 0, 0, 0};
+    m->shapes = rudder_zalloc(2 * sizeof(rx_shape *) * (js->n_nodes + 1));
+    if (!m->shapes)
+        rudder_panic("jsonschema: out of memory");
     m->ext_h = rudder_xalloc(8 * (g_n_ext + 1));
     m->ext_k = rudder_xalloc(2 * (g_n_ext + 1));
     m->ext_dup = rudder_xalloc(g_n_ext + 1);

@@ -44,7 +44,8 @@ typedef struct {
     bool integer, has_lo, has_hi, lo_excl, hi_excl;
     uint8_t n_rx;        /* string: regexes in rx[] it must match; object: 1 when extra keys have patterns */
     uint8_t n_neg;       /* string: regexes after those that it must not match */
-    uint8_t rx_free;     /* string: bit k: rx[k] never dies on valid text (an unanchored pattern) */
+    uint8_t rx_free;     /* string: bit k: rx[k] never dies on valid text (an unanchored pattern); object:
+                          * bit k: a match of rx[k] stays one whatever follows (no `$`) */
     uint8_t frac;        /* number: at most this many fraction digits (multipleOf 0.01: 2), 255: free */
     uint32_t a, n;       /* union: alternatives idx[a..a+n); object: props[a..a+n); array: prefix idx[a..a+n) */
     uint32_t trie;       /* object: key trie; literals: their trie */

@@ -259,6 +259,7 @@ RESTRICTED = {
     "one name, then extras": {"type": "object", "patternProperties": {"^k$": {"type": "integer"}}, "additionalProperties": {"type": "boolean"},
                               "propertyNames": {"maxLength": 2}},
     "at least two": {"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}}, "minProperties": 2},
+    "one name or endless ones": {"type": "object", "patternProperties": {"^(ab|x+)$": {"type": "integer"}}},
 }
 
 
@@ -270,6 +271,13 @@ def test_no_more_keys_once_every_name_is_written(rt, module, byte_tok):
     assert b"," not in allowed_bytes and b"}" in allowed_bytes
     _, forced = _masks(rt, module, byte_tok, schema, '{"a":1,')
     assert forced.startswith(b'"b"')
+    schema = {**RESTRICTED["one name or endless ones"], "x-rudder-ff": False}   # (endless names need no search; "ab" does)
+    allowed_bytes, _ = _masks(rt, module, byte_tok, schema, '{"ab":1,"')
+    assert allowed_bytes == {b"x"}
+    allowed_bytes, _ = _masks(rt, module, byte_tok, schema, '{"x":1,"')
+    assert allowed_bytes == {b"a", b"x"}
+    allowed_bytes, _ = _masks(rt, module, byte_tok, schema, '{"x":1,"x')
+    assert allowed_bytes == {b"x"}
 
 
 @pytest.mark.parametrize("name", list(RESTRICTED))
