@@ -113,9 +113,10 @@ def _llm(model: str, device: str, pipeline_stages: str, draft_model: str = "int8
                draft_model=draft_model)
 
 
-def _check_module(controller: str) -> None:
-    """Load a .wasm file's module (its checks: format, imports, exports) in a runtime of its own,
-    so that one that cannot load fails in a moment, before the model (and torch) loads."""
+def _check_module(controller: str, trusted: bool = False) -> None:
+    """Load a .wasm file's module (its checks: format, imports, exports; the compile limits
+    unless `trusted`) in a runtime of its own, so that one that cannot load fails in a moment,
+    before the model (and torch) loads."""
     path = Path(controller)
     if not (controller.endswith(".wasm") or path.is_file()):
         return  # a built-in name: built and checked with the model's runtime
@@ -128,7 +129,10 @@ def _check_module(controller: str) -> None:
     # A component (Python/JS) takes seconds to compile: check it through the shared disk cache,
     # so the model's runtime loads the compiled form right after.
     component = data[4:8] == b"\x0d\x00\x01\x00"
-    with ControllerRuntime(Tokenizer.byte_level(), cache_dir=None if component else False, max_instances=0) as runtime:
+    from .controller.compiler import CompileLimits
+
+    with ControllerRuntime(Tokenizer.byte_level(), cache_dir=None if component else False, max_instances=0,
+                           compile_limits=CompileLimits.none() if trusted else None) as runtime:
         runtime.load(data)
 
 
@@ -266,7 +270,7 @@ def _structured(json_schema: str | None, regex: str | None, choice: list[str], g
 
 def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, pipeline_stages: str,
               controller: str | None = None, arg: str = "", limits: list[str] = (), log: bool = False,
-              draft_model: str = "int8", trace: bool = False, dtype: str = "auto") -> None:
+              draft_model: str = "int8", trace: bool = False, dtype: str = "auto", trust_module: bool = False) -> None:
     """What `generate` and `run` share: set up, stream, report errors in one line (plus the
     controller's log tail), release the model (and its pipeline stages)."""
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -274,8 +278,12 @@ def _generate(prompt: str, sampling: dict, chat: bool, model: str, device: str, 
     try:
         params = _params(**sampling)
         if controller is not None:
-            _check_module(controller)  # a module that cannot load fails before the model loads
+            _check_module(controller, trust_module)  # a module that cannot load fails before the model loads
         llm = _llm(model, device, pipeline_stages, draft_model, dtype)
+        if trust_module:
+            from .controller.compiler import CompileLimits
+
+            llm.runtime.compiler.limits = CompileLimits.none()
         params, name, name_arg = llm.steer(params, controller, _read_arg(arg) if controller else "")
         ctl = None
         if name is not None:
@@ -333,12 +341,15 @@ def run(prompt: str = PROMPT,
         chat: bool = CHAT, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
         top_k: int = TOP_K, seed: Optional[int] = SEED, stop: list[str] = STOP, model: str = MODEL,
         device: str = DEVICE, dtype: str = DTYPE, pipeline_stages: str = PIPELINE,
-        speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL) -> None:
+        speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL,
+        trust_module: bool = typer.Option(False, "--trust-module",
+                                          help="Compile the .wasm without the compile limits (sizes, the compile's "
+                                               "memory and CPU time; docs/abi.md): for a module you trust.")) -> None:
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                     speculative=speculative, spec_k=spec_k)
     _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model, trace,
-              dtype)
+              dtype, trust_module)
 
 
 @app.command()
@@ -371,6 +382,15 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                                                            help="Modules one tenant may upload."),
           max_modules: int = typer.Option(256, "--max-modules", min=1,
                                           help="Uploaded modules the registry keeps, all tenants together."),
+          max_compiles: int = typer.Option(2, "--max-compiles", min=1,
+                                           help="Modules compiled at once, each in a worker process; the others "
+                                                "wait (see --compile-wait-s)."),
+          compile_wait_s: float = typer.Option(60.0, "--compile-wait-s", min=0,
+                                               help="How long an upload may wait for a compile slot before it "
+                                                    "gets 503 with Retry-After."),
+          compile_memory_mb: int = typer.Option(1024, "--compile-memory-mb", min=256,
+                                                help="Address space of one compile worker; a module whose compile "
+                                                     "needs more is refused (413)."),
           guest_memory_mb: int = typer.Option(DEFAULT_GUEST_MEMORY >> 20, "--guest-memory-mb", min=1,
                                               help="Linear memory of all live controller instances together; a "
                                                    "request that does not fit gets 429."),
@@ -424,8 +444,9 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               controller_limits=_read_limits(list(limit)) or {}, api_keys=keys,
                               public_metrics=public_metrics, state_dir=state_dir,
                               tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
-                              max_modules=max_modules, reasoning=_reasoning(reasoning_parser, reasoning_start,
-                                                                            reasoning_end),
+                              max_modules=max_modules, max_compiles=max_compiles,
+                              compile_wait_s=compile_wait_s, compile_memory_mb=compile_memory_mb,
+                              reasoning=_reasoning(reasoning_parser, reasoning_start, reasoning_end),
                               engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
                                               "max_seqs": max_seqs, "device": _device(device), "dtype": _dtype(dtype),
                                               "pipeline_stages": _stages(pipeline_stages),

@@ -42,6 +42,8 @@ from .errors import ControllerError
 from .fastcall import addr, ffi, lib
 from .host_api import HostState, RequestContext, define_imports
 from .budgets import GuestMemory, SnapshotCache
+from .compile_worker import COMPONENT_ENGINE, CONTROLLER_ENGINE, make_config
+from .compiler import CompileLimits, Compiler
 from .component import ComponentCache, ComponentModule, ComponentSupport, is_component
 from .instance import WASM_PAGE, Instance
 from .limits import Limits, deadline_ticks
@@ -103,19 +105,7 @@ KEEP_RESIDENT = 2 << 20  # bytes of each used pool slot kept resident (see the m
 
 
 def _config(pooling: dict | None) -> wasmtime.Config:
-    cfg = wasmtime.Config()
-    cfg.epoch_interruption = True
-    cfg.cranelift_opt_level = "speed"
-    cfg.wasm_threads = False
-    cfg.shared_memory = False
-    cfg.wasm_memory64 = False
-    cfg.wasm_multi_memory = False
-    cfg.wasm_gc = False
-    cfg.wasm_function_references = False
-    cfg.wasm_custom_page_sizes = False
-    cfg.wasm_exceptions = False  # exnref and tags: nothing a controller needs, and more to check
-    cfg.wasm_stack_switching = False
-    cfg.wasm_relaxed_simd_deterministic = True  # the same answers on every host (seeded runs repeat)
+    cfg = make_config(CONTROLLER_ENGINE)  # the compile worker's settings too (compile_worker.py)
     if pooling:
         pc = _wb.wasmtime_pooling_allocation_config_new()
         try:
@@ -302,13 +292,16 @@ class ControllerRuntime:
     request passes its own to `start`, which can only lower them. `cache_dir` holds compiled modules (default
     `$RUDDER_HOME/wasm-cache`; pass `False` for no disk cache). `max_instances` bounds the
     live instances (requests + forks + one per module being initialised) the pooling
-    allocator reserves room for.
+    allocator reserves room for. Modules are compiled in worker processes within
+    `compile_limits` (compiler.py; default: CompileLimits with memories up to `limits`), at most
+    two at once: `self.compiler.configure(...)` changes that.
     """
 
     def __init__(self, tokenizer, limits: Limits = Limits(), cache_dir: Path | None = None, *,
                  max_instances: int = 1024, keep_resident: int = KEEP_RESIDENT,
                  backtrack_allowed: bool = True, tick_ms: float = TICK_MS,
-                 guest_memory_bytes: int = DEFAULT_GUEST_MEMORY, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES):
+                 guest_memory_bytes: int = DEFAULT_GUEST_MEMORY, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
+                 compile_limits: CompileLimits | None = None):
         if not isinstance(limits, Limits):
             limits = Limits().capped(limits)
         keep_resident = -(-int(keep_resident) // WASM_PAGE) * WASM_PAGE
@@ -327,7 +320,8 @@ class ControllerRuntime:
                          limits.memory_bytes)
         if cache_dir is None:
             cache_dir = default_cache_dir()
-        self.cache = ModuleCache(engine, fp, cache_dir or None)
+        self.compiler = Compiler(compile_limits or CompileLimits(memory_pages=limits.memory_bytes // WASM_PAGE))
+        self.cache = ModuleCache(engine, fp, cache_dir or None, compiler=self.compiler, settings=CONTROLLER_ENGINE)
         self._ticker = _make_ticker(engine, self._shared.engine_ptr, tick_ms / 1000)
         self._shared.ticker = self._ticker
         self._cache_dir = cache_dir
@@ -378,8 +372,10 @@ class ControllerRuntime:
                 mutable_globals = check_module(module)
             except ControllerError as e:
                 # a copy: `e`'s traceback holds this frame, and with it the wasm bytes and the
-                # compiled module, for as long as the cache keeps the failure
-                self.cache.put(sha, ControllerError(e.kind, str(e), e.log_tail))
+                # compiled module, for as long as the cache keeps the failure; a busy compiler
+                # is no failure of the module's
+                if not e.busy:
+                    self.cache.put(sha, ControllerError(e.kind, str(e), e.log_tail))
                 raise
             compiled_size = self.cache.store(sha, module, {"mutable_globals": list(mutable_globals)})
         try:
@@ -484,7 +480,8 @@ class ControllerRuntime:
                 self._tickers.append(ticker)
                 fp = fingerprint("rudder-component-1", _pkg_version("wasmtime"), platform.machine(), "epoch", "speed")
                 cache_dir = default_cache_dir() if self._cache_dir is None else self._cache_dir
-                cache = ComponentCache(ModuleCache(engine, fp, cache_dir or None))
+                cache = ComponentCache(ModuleCache(engine, fp, cache_dir or None, compiler=self.compiler,
+                                                   settings=COMPONENT_ENGINE, component=True))
                 self._components = ComponentSupport(self._shared, engine, ticker, cache, self._hand_off)
             return self._components
 
@@ -542,16 +539,8 @@ def _orphan_all(tickers: list) -> None:
 
 
 def _component_config() -> wasmtime.Config:
-    """The component engine: epoch deadlines, no threads or shared memory, deterministic
-    relaxed SIMD (seeded runs repeat); the default allocator (see component.py)."""
-    cfg = wasmtime.Config()
-    cfg.epoch_interruption = True
-    cfg.cranelift_opt_level = "speed"
-    cfg.wasm_threads = False
-    cfg.shared_memory = False
-    cfg.wasm_memory64 = False
-    cfg.wasm_relaxed_simd_deterministic = True
-    return cfg
+    """The component engine (COMPONENT_ENGINE); the default allocator (see component.py)."""
+    return make_config(COMPONENT_ENGINE)
 
 
 def _last_line(log: str) -> str:

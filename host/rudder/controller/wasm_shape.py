@@ -10,13 +10,19 @@ know as a refusal, never as a crash.
 
 Only the sections that name types are read: type (1), import (2), function (3), global (6)
 and export (7). Reference: the WebAssembly core specification, binary format (chapter 5).
+
+`read_sizes` is the other reader here: what a module (or every core module of a component)
+asks the compiler to do - functions, code bytes, locals, segments, table and memory minimums -
+read *before* anything is compiled, so that an upload too big to compile cheaply is refused in
+milliseconds (compiler.py). It reads section headers, vector counts and the start of each
+function body (its local declarations); the code itself is skipped by its size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-__all__ = ["ModuleShape", "ShapeError", "read_shape", "NUMERIC"]
+__all__ = ["CodeSizes", "ModuleShape", "ShapeError", "read_shape", "read_sizes", "NUMERIC"]
 
 NUMERIC = frozenset({"i32", "i64", "f32", "f64"})
 
@@ -234,3 +240,137 @@ def _type(types: list, index: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if index >= len(types):
         raise ShapeError(f"type index {index} does not exist")
     return types[index]
+
+
+@dataclass
+class CodeSizes:
+    """What compiling a module costs, in the units the compile limits use (compiler.py); a
+    component's core modules are added up (the largest function, table, memory: the largest of all)."""
+
+    functions: int = 0          # functions defined (not imported)
+    code_bytes: int = 0         # bytes of all function bodies
+    function_bytes: int = 0     # bytes of the largest function body
+    function_locals: int = 0    # locals declared by the function with the most
+    locals: int = 0             # locals declared by all functions
+    data_segments: int = 0
+    element_segments: int = 0
+    table_elements: int = 0     # the largest table minimum, in elements
+    memory_pages: int = 0       # the largest memory minimum, in 64 KiB pages
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_COMPONENT_VERSION = b"\x0d\x00\x01\x00"
+_CORE_MODULE_SECTION, _COMPONENT_SECTION = 1, 4  # in a component: a nested core module, component
+
+
+def read_sizes(wasm: bytes, max_functions: int | None = None) -> CodeSizes:
+    """The sizes of a core module or of every core module inside a component (nested components
+    too). Function bodies are not scanned once more than `max_functions` functions are declared
+    (the module is refused for its count anyway). A malformed part ends the reading of its module
+    quietly: the compiler then reports it precisely, under its own limits."""
+    sizes = CodeSizes()
+    if len(wasm) < 8 or wasm[:4] != b"\0asm":
+        return sizes
+    pending = [(0, len(wasm))]  # (start, end) of each binary still to read: iterative, nesting is unbounded
+    while pending:
+        start, end = pending.pop()
+        if wasm[start + 4:start + 8] != _COMPONENT_VERSION:
+            _core_sizes(wasm, start, end, sizes, max_functions)
+            continue
+        top = _Reader(wasm, start + 8, end)
+        try:
+            while top.pos < end:
+                section = top.byte()
+                size = top.uleb()
+                if section in (_CORE_MODULE_SECTION, _COMPONENT_SECTION) and size >= 8:
+                    pending.append((top.pos, top.pos + size))
+                top.skip(size)
+        except ShapeError:
+            pass
+    return sizes
+
+
+def _core_sizes(wasm: bytes, start: int, end: int, sizes: CodeSizes, max_functions: int | None) -> None:
+    top = _Reader(wasm, start + 8, end)
+    try:
+        while top.pos < end:
+            section = top.byte()
+            size = top.uleb()
+            r = _Reader(wasm, top.pos, top.pos + size)
+            top.skip(size)
+            if section == 2:
+                for _ in range(r.uleb()):
+                    r.name()
+                    r.name()
+                    kind = r.byte()
+                    if kind == 0:
+                        r.uleb()
+                    elif kind == 1:
+                        sizes.table_elements = max(sizes.table_elements, _table_min(r))
+                    elif kind == 2:
+                        sizes.memory_pages = max(sizes.memory_pages, _limits_min(r))
+                    elif kind == 3:
+                        r.valtype()
+                        r.byte()
+                    elif kind == 4:
+                        r.byte()
+                        r.uleb()
+                    else:
+                        return
+            elif section == 3:
+                sizes.functions += r.uleb()
+            elif section == 4:
+                for _ in range(r.uleb()):
+                    sizes.table_elements = max(sizes.table_elements, _table_min(r))
+            elif section == 5:
+                for _ in range(r.uleb()):
+                    sizes.memory_pages = max(sizes.memory_pages, _limits_min(r))
+            elif section == 9:
+                sizes.element_segments += r.uleb()
+            elif section == 11:
+                sizes.data_segments += r.uleb()
+            elif section == 10:
+                bodies = r.uleb()
+                sizes.code_bytes += size
+                if max_functions is not None and sizes.functions > max_functions:
+                    continue
+                for _ in range(bodies):
+                    body = r.uleb()
+                    body_end = r.pos + body
+                    sizes.function_bytes = max(sizes.function_bytes, body)
+                    declared = 0
+                    body_reader = _Reader(wasm, r.pos, min(body_end, r.end))
+                    for _ in range(body_reader.uleb()):
+                        declared += body_reader.uleb()
+                        body_reader.valtype()
+                    sizes.function_locals = max(sizes.function_locals, declared)
+                    sizes.locals += declared
+                    r.skip(body)
+    except ShapeError:
+        pass
+
+
+def _limits_min(r: _Reader) -> int:
+    flags = r.byte()
+    if flags & ~0x0F:
+        raise ShapeError(f"unknown limits flags 0x{flags:02x}")
+    wide = 64 if flags & 0x04 else 32
+    minimum = r.uleb(wide)
+    if flags & 0x01:
+        r.uleb(wide)
+    if flags & 0x08:  # custom page size: its log2 follows
+        r.uleb()
+    return minimum
+
+
+def _table_min(r: _Reader) -> int:
+    if r.data[r.pos:r.pos + 2] == b"\x40\x00":  # a table with an initial value: reftype, limits, expression
+        r.skip(2)
+        r.valtype()
+        minimum = _limits_min(r)
+        r.const_expr()
+        return minimum
+    r.valtype()
+    return _limits_min(r)

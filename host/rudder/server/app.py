@@ -46,6 +46,8 @@ def create_app(config: ServerConfig | None = None, llm=None) -> FastAPI:
         model = llm or await asyncio.to_thread(LLM, config.model, controller_limits=config.controller_limits or None,
                                                **config.engine_options)
         metrics = Metrics(config.served_name)
+        model.runtime.compiler.configure(max_compiles=config.max_compiles, wait_s=config.compile_wait_s,
+                                         memory_bytes=config.compile_memory_mb << 20)
         store = await asyncio.to_thread(LocalStore, config.state_path)
         registry = Registry(model.runtime, store, config.max_modules, config.tenant_max_modules,
                             config.max_loaded_modules)
@@ -190,8 +192,10 @@ def _routes(app: FastAPI, config: ServerConfig) -> None:
             "controller_modules": ("Controller modules in the registry (built-in and uploaded).",
                                    len(svc.registry.builtin) + svc.registry.store.count_modules()),
         }
-        runtime = svc.llm.runtime.stats()
+        runtime, compiler = svc.llm.runtime.stats(), svc.llm.runtime.compiler
         gauges.update({
+            "compile_queue_depth": ("Module compiles waiting for a compile slot.", compiler.waiting),
+            "compiles_running": ("Module compiles running (each in a worker process).", compiler.running),
             "guest_memory_bytes": ("Linear memory of all live controller instances.", runtime["guest_memory_bytes"]),
             "guest_memory_budget_bytes": ("The server's budget for that memory.", runtime["guest_memory_budget"]),
             "snapshot_bytes": ("Post-init snapshots kept for loaded modules.", runtime["snapshot_bytes"]),

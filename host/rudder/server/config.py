@@ -29,6 +29,9 @@ class ServerConfig:
     state_dir: str | Path | None = None  # the durable registry (default: $RUDDER_HOME/server)
     tenant_max_concurrent: int | None = None  # one tenant's requests, running and queued
     tenant_max_modules: int | None = None     # modules one tenant may upload
+    max_compiles: int = 2              # modules compiled at once (each in a worker process); the rest wait
+    compile_wait_s: float = 60.0       # an upload waiting longer for a compile slot gets 503
+    compile_memory_mb: int = 1024      # address space of one compile worker (a Python component needs ~600)
     reasoning: Reasoning | None = None  # --reasoning-parser: chat outputs think first (reasoning.py)
 
     @property

@@ -22,6 +22,7 @@ STATUS = {
     "too_many_requests": 429,
     "internal_error": 500,
     "engine_error": 503,
+    "unavailable": 503,  # busy for now (e.g. every compile slot taken): Retry-After says when to try again
 }
 
 

@@ -27,6 +27,7 @@ from .store import RegistryStore, TagOwned
 
 log = logging.getLogger("rudder.server")
 MODULE_ID = re.compile(r"^[0-9a-f]{64}$")
+COMPILE_RETRY_S = 5  # what a 503 for a busy compiler tells the client to wait
 
 # Each built-in's backtrack depth N (once N tokens follow a token, it never takes that token
 # back): the constraint controllers and the others never backtrack on their own; `backtrack`
@@ -69,11 +70,17 @@ class Registry:
 
     def add(self, wasm: bytes, who: Principal) -> dict:
         """Validate, compile and durably store a module; returns its description. Slow
-        (compiles, fsyncs): call it off the event loop."""
+        (compiles, fsyncs): call it off the event loop. A module over a compile limit is a 413
+        naming the limit; no compile slot within the server's wait, a 503 with Retry-After."""
         t0 = time.perf_counter()
         try:
             module = self.runtime.load(wasm)
         except ControllerError as e:
+            if e.busy:
+                raise APIError("unavailable", f"the server is busy compiling other modules: {e}", code="compile_busy",
+                               headers={"Retry-After": str(COMPILE_RETRY_S)}) from None
+            if e.kind == "limit":
+                raise APIError("payload_too_large", str(e), code="compile_limit", kind="limit") from None
             raise controller_error(e) from None
         sha = module.sha256
         if not self.store.has_module(sha):
