@@ -399,3 +399,127 @@ def test_a_slow_first_call_holds_up_the_steps_once(monkeypatch):
     while engine.has_unfinished():
         engine.step()
     assert len(engine.completions(second)[0].token_ids) == 2
+
+
+# -- the scheduler: the step's token budget, and who waits -------------------------------------------
+
+class _Plan:
+    """A Scheduler over a real BlockManager, with sequences named by their prompts' first token;
+    `step()` schedules, then does what the engine does after the forward (cached, one sampled
+    token), and returns {name: tokens fed} plus the names that could never fit."""
+
+    def __init__(self, num_blocks=64, block_size=4, max_batch_tokens=16, max_seqs=8):
+        from rudder.engine.block_manager import BlockManager
+        from rudder.engine.scheduler import Scheduler
+
+        self.bm = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(self.bm, max_batch_tokens, max_seqs)
+        self.seqs = {}
+
+    def add(self, name: int, prompt_len: int):
+        from rudder.engine.sequence import Request, Sequence
+
+        params = SamplingParams()
+        prompt = [name] * prompt_len
+        seq = self.seqs[name] = Sequence(prompt, params, np.random.default_rng(0), Request(name, prompt, params))
+        self.sched.add(seq)
+        return seq
+
+    def step(self, **kw):
+        batch, unfit = self.sched.schedule(**kw)
+        self.bm.check_invariants()
+        fed = {}
+        for e in batch:
+            assert e.slots == [self.bm.slot(e.seq.seq_id, p) for p in range(e.seq.num_cached, e.seq.num_cached + e.num_tokens)]
+            assert e.sample == (e.num_tokens == e.seq.num_pending)
+            e.seq.num_cached += e.num_tokens
+            if e.sample:
+                e.seq.token_ids.append(9)
+            fed[e.seq.token_ids[0]] = e.num_tokens
+        return fed, [s.token_ids[0] for s in unfit]
+
+    def waiting(self):
+        return [s.token_ids[0] for s in self.sched.waiting]
+
+
+def test_a_step_feeds_at_most_its_token_budget_running_sequences_first():
+    plan = _Plan(max_batch_tokens=16)
+    for name in (1, 2, 3):
+        plan.add(name, 3)
+    assert plan.step() == ({1: 3, 2: 3, 3: 3}, [])  # 9 prompt tokens: all admitted
+    plan.add(4, 10)
+    plan.add(5, 10)
+    # the three decode first (3 tokens); then 13 of the budget: prompt 4 whole, 3 tokens of prompt 5
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 10, 5: 3}, [])
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 1, 5: 7}, [])  # the rest of prompt 5, in the budget
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 1, 5: 1}, [])
+
+
+def test_a_prompt_longer_than_the_budget_is_fed_in_chunks():
+    plan = _Plan(max_batch_tokens=8)
+    plan.add(1, 21)
+    plan.add(2, 2)
+    assert [plan.step()[0] for _ in range(4)] == [{1: 8}, {1: 8}, {1: 5, 2: 2}, {1: 1, 2: 1}]
+
+
+def test_who_waits_for_kv_blocks_and_batch_slots():
+    """Admission is first come, first served: a prompt that does not fit the free blocks waits,
+    and holds up the ones behind it (no overtaking); max_seqs caps the running sequences; a
+    sequence larger than the whole cache fails instead of waiting forever."""
+    plan = _Plan(num_blocks=6, block_size=4, max_batch_tokens=64, max_seqs=3)
+    plan.add(1, 12)  # 3 blocks
+    plan.add(2, 16)  # 4 blocks: 3 are free
+    plan.add(3, 2)  # would fit, but comes after 2
+    assert plan.step() == ({1: 12}, [])
+    assert plan.waiting() == [2, 3]
+    plan.sched.remove(plan.seqs[1])  # 1 finishes: its blocks come back
+    plan.add(4, 40)  # 10 blocks: more than the cache holds, it fails when its turn comes
+    assert plan.step() == ({2: 16, 3: 2}, [4])
+    plan.sched.remove(plan.seqs[2])
+    plan.sched.remove(plan.seqs[3])
+    for name in (5, 6, 7, 8):
+        plan.add(name, 2)
+    assert plan.step() == ({5: 2, 6: 2, 7: 2}, [])  # max_seqs: 3 running, 8 waits
+    assert plan.waiting() == [8]
+
+
+def test_a_full_cache_preempts_the_latest_admitted_sequence():
+    plan = _Plan(num_blocks=4, block_size=4, max_batch_tokens=64, max_seqs=8)
+    plan.add(1, 8)
+    plan.add(2, 7)
+    assert plan.step() == ({1: 8, 2: 7}, [])  # 4 blocks taken; 2 has room for one more token
+    # 1 needs a block for its next token: 2, the latest admitted, gives its blocks back and waits
+    fed, _ = plan.step()
+    assert fed == {1: 1} and plan.waiting() == [2] and plan.seqs[2].num_cached == 0
+
+
+def test_busy_sequences_are_left_alone_and_limit_caps_the_batch():
+    plan = _Plan()
+    for name in (1, 2, 3):
+        plan.add(name, 3)
+    plan.step()
+    busy = {plan.seqs[2].seq_id}
+    assert plan.step(busy=busy) == ({1: 1, 3: 1}, [])
+    assert plan.step(limit=2) == ({1: 1, 2: 1}, [])
+
+
+def test_every_runner_takes_what_the_loop_passes():
+    """The Runner protocol (engine/runner.py) declares each call the engine makes, `history=`
+    included; every runner's methods take those arguments (the handle's name aside), and any
+    more only as options."""
+    import inspect
+
+    from rudder.engine.model_runner import ModelRunner
+    from rudder.engine.runner import Runner
+    from rudder.pipeline.runner import PipelineRunner
+
+    def arguments(f, skip: int):
+        return [(p.name, p.default) for p in list(inspect.signature(f).parameters.values())[skip:]]
+
+    for name, skip in (("copy_blocks", 1), ("run", 1), ("logits", 2), ("sample", 2), ("skip", 2), ("close", 1)):
+        want = arguments(getattr(Runner, name), skip)
+        for runner in (ModelRunner, PipelineRunner):
+            got = arguments(getattr(runner, name), skip)
+            assert got[:len(want)] == want, (runner, name)
+            assert all(default is not inspect.Parameter.empty for _, default in got[len(want):]), (runner, name)
+    assert ("history", None) in arguments(Runner.sample, 2)

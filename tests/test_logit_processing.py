@@ -133,11 +133,19 @@ def test_the_engine_hands_penalized_rows_their_tokens(monkeypatch):
 
 
 def test_a_pipeline_refuses_what_its_last_stage_cannot_apply():
-    """A pipeline's last stage samples from a spec without penalties or bias: refused by name."""
+    """A pipeline's last stage samples from a spec without penalties or bias: refused by name,
+    by LLM (the server's 400) and by the engine itself, as its runner's capabilities say."""
     from rudder import LLM
+    from rudder.pipeline.runner import PipelineRunner
 
     llm = LLM("tiny")
-    llm.pipeline = True  # what LLM(pipeline_stages=N) sets; the check is all that differs here
-    with pytest.raises(ValueError, match="presence_penalty, logit_bias: not available with pipeline stages"):
-        llm.generate(["x"], SamplingParams(presence_penalty=1.0, logit_bias={3: 1.0}, max_tokens=2))
-    assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
+    llm.engine.runner.capabilities = PipelineRunner.capabilities  # the declaration is all that differs here
+    try:
+        with pytest.raises(ValueError, match="presence_penalty, logit_bias: not available with pipeline stages"):
+            llm.generate(["x"], SamplingParams(presence_penalty=1.0, logit_bias={3: 1.0}, max_tokens=2))
+        with pytest.raises(ValueError, match="^min_p: not available with pipeline stages"):
+            llm.engine.add_request([5, 6], SamplingParams(min_p=0.1, max_tokens=2))
+        assert not llm.engine.has_unfinished()
+        assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
+    finally:
+        del llm.engine.runner.capabilities  # back to the class's declaration

@@ -67,7 +67,6 @@ class LLM:
             runner = factory(config.num_blocks, config.block_size)
         self.dtype = self.model.precision
         self.engine = Engine(self.model, self.tokenizer, config, runner=runner)
-        self.pipeline = runner is not None  # the last stage samples: no logit processing there
         self._controller_limits = controller_limits
         self._runtime_options = {k: v for k, v in (("guest_memory_bytes", guest_memory_bytes),
                                                    ("snapshot_bytes", snapshot_bytes)) if v is not None}
@@ -111,18 +110,14 @@ class LLM:
         return self.runtime.start(self.runtime.load(wasm), arg, limits, seed=seed)
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
-        """Validate `params` against this model (token ids of logit_bias, what a pipeline can do);
-        raises ValueError naming the field."""
+        """Validate `params` against this model (token ids of logit_bias) and what its runner can do
+        (engine/runner.py's Capabilities); raises ValueError naming the field."""
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= int(t) < self.tokenizer.vocab_size]
             if bad:
                 raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
                                  f"(0..{self.tokenizer.vocab_size - 1})")
-        if self.pipeline and params.processed:
-            names = [n for n, on in (("presence_penalty", params.presence_penalty), ("frequency_penalty",
-                     params.frequency_penalty), ("repetition_penalty", params.repetition_penalty != 1.0),
-                     ("min_p", params.min_p), ("logit_bias", params.logit_bias)) if on]
-            raise ValueError(f"{', '.join(names)}: not available with pipeline stages (the last stage samples)")
+        self.engine.runner.capabilities.refuse(params)
         return params
 
     def steer(self, params: SamplingParams | None, controller, controller_arg):

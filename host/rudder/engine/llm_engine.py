@@ -159,10 +159,8 @@ class Engine:
             if len(prompt_ids) >= self.cfg.max_position:
                 raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
                                  f"{self.cfg.max_position}")
+            self.runner.capabilities.refuse(params)
             if params.speculative is not None:
-                if not self.runner.capabilities.verify_rows:
-                    raise ValueError("speculative decoding needs a runner that can verify several positions "
-                                     "per step; this one cannot")
                 if self.spec is None:
                     from .speculative import Speculator
 
@@ -409,15 +407,15 @@ class Engine:
         sequence's, one per Sample)."""
         masks = [s.branch.mask if s.branch is not None else None for s in samples]
         params = [s.seq.params for s in samples]
-        # Penalties need each row's tokens; only a runner that samples in this process gets them
-        # (LLM refuses penalties on a pipeline).
-        extra = {"history": [(s.seq.token_ids, s.seq.num_prompt) if s.seq.params.penalized else None
-                             for s in samples]} if any(p.penalized for p in params) else {}
+        # Penalties need each row's tokens (a runner that cannot apply them never gets such a row:
+        # add_request refuses them by its capabilities).
+        history = [(s.seq.token_ids, s.seq.num_prompt) if s.seq.params.penalized else None
+                   for s in samples] if any(p.penalized for p in params) else None
         rngs = [s.seq.rng for s in samples]
         if kept is not None:
-            out = self.sampler.sample(kept, params, rngs, masks, **extra)
+            out = self.sampler.sample(kept, params, rngs, masks, history)
         else:
-            out = self.runner.sample(handle, [s.row for s in samples], params, rngs, masks, **extra)
+            out = self.runner.sample(handle, [s.row for s in samples], params, rngs, masks, history)
         for s, token, logprob in zip(samples, out.tokens, out.logprobs):
             self.steering.take_sample(s.seq, s.branch, token, logprob, deltas)
 

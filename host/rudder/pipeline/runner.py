@@ -51,7 +51,9 @@ class _Step:
 class PipelineRunner:
     """The Runner (engine/runner.py) of a pipeline: rank 0's side."""
 
-    capabilities = Capabilities(verify_rows=True, sample_at_launch=True, shares_cores=True)
+    # The last stage samples from a spec of temperature, top-k and top-p (pipeline/protocol.py).
+    capabilities = Capabilities(verify_rows=True, sample_at_launch=True, shares_cores=True, logit_processing=False,
+                                name="pipeline stages (the last stage samples)")
 
     def __init__(self, model: StageModel, num_blocks: int, block_size: int, link: Link,
                  children: list[subprocess.Popen] | None = None, threads_before: int | None = None,
@@ -160,7 +162,12 @@ class PipelineRunner:
         except LinkError as e:
             self._fail(e)
 
-    def sample(self, step: _Step, rows: list[int], params: list, rngs: list, masks: list) -> SampleOutput:
+    def sample(self, step: _Step, rows: list[int], params: list, rngs: list, masks: list,
+               history: list | None = None) -> SampleOutput:
+        """`history` is None: no row is penalized (`capabilities.logit_processing` is off, so the
+        engine refuses such requests)."""
+        if history is not None:
+            raise ValueError("penalties are not available with pipeline stages")
         self._check()
         if step.early is not None:
             # The spec went out with the plan (every row, unmasked, uniforms drawn then): take
