@@ -150,6 +150,40 @@ def test_a_compile_over_its_cpu_time_limit_is_refused():
     assert str(e.value) == "compiling the module took more than 1 s of CPU time (the compile's CPU-time limit)"
 
 
+def test_a_worker_starved_past_its_wall_clock_limit_is_ended(monkeypatch):
+    """A worker that cannot finish in time (here: a wall-clock limit shorter than the compile) is
+    killed and named; the next compile gets a new worker."""
+    monkeypatch.setattr(compiler_module, "_WALL_FACTOR", 0)
+    monkeypatch.setattr(compiler_module, "_WALL_SLACK_S", 0.3)
+    with _runtime() as rt:
+        with pytest.raises(ControllerError) as e:
+            rt.load(empty_functions(40_000, secrets.token_hex(8)))  # seconds of compiling
+        assert e.value.kind == "limit" and str(e.value) == \
+            "compiling the module took more than 0.3 s (the compile's wall-clock limit)"
+        monkeypatch.setattr(compiler_module, "_WALL_SLACK_S", 600)
+        _runs(rt, controller(nonce=secrets.token_hex(8)))
+
+
+def test_a_worker_is_reused_while_small_and_retired_once_it_grew():
+    """Small compiles share one worker process; one whose compile took it past RETIRE_RSS exits,
+    and with it the memory the compiler used."""
+    pids = []
+    real_run = compiler_module._Worker.run
+
+    def run(worker, *a):
+        pids.append(worker.proc.pid)
+        return real_run(worker, *a)
+
+    with _runtime() as rt, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiler_module._Worker, "run", run)
+        for i in range(3):
+            rt.load(controller(nonce=secrets.token_hex(8)))
+        rt.load(empty_functions(40_000, secrets.token_hex(8)))  # ~250 MiB in the worker
+        rt.load(controller(nonce=secrets.token_hex(8)))
+    assert len(set(pids[:4])) == 1, pids
+    assert pids[4] != pids[3] and not psutil.pid_exists(pids[3]), pids  # exited and reaped
+
+
 def test_invalid_modules_keep_the_compilers_message():
     with _runtime() as rt:
         with pytest.raises(ControllerError, match=r"^invalid WebAssembly module: .*type mismatch") as e:

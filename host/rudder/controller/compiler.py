@@ -44,7 +44,9 @@ __all__ = ["CompileLimits", "Compiler", "check_sizes", "DEFAULT_MAX_COMPILES", "
 WORKER = Path(__file__).with_name("compile_worker.py")
 DEFAULT_MAX_COMPILES = 2
 DEFAULT_WAIT_S = 60.0
-_WALL_FACTOR = 4  # a worker starved of CPU by decoding still ends: at this many times its CPU limit
+# A worker that cannot use its CPU time (it runs niced behind decoding) is still ended, at
+# _WALL_FACTOR times its CPU limit plus _WALL_SLACK_S seconds of wall-clock time.
+_WALL_FACTOR, _WALL_SLACK_S = 10, 60
 RETIRE_RSS = 192 << 20  # a worker whose peak memory passed this is not reused (an idle one: ~30 MiB)
 _IDLE_WORKERS = 2       # idle workers kept for the next compiles, per process
 
@@ -170,7 +172,7 @@ class Compiler:
         out = Path(name)
         job = json.dumps({"settings": settings, "component": component, "memory_bytes": limits.memory_bytes,
                           "cpu_seconds": limits.cpu_seconds, "out": str(out), "size": len(wasm)}).encode() + b"\n"
-        wall = None if limits.cpu_seconds is None else _WALL_FACTOR * limits.cpu_seconds + 30
+        wall = None if limits.cpu_seconds is None else _WALL_FACTOR * limits.cpu_seconds + _WALL_SLACK_S
         try:
             worker = _workers.take()
             try:
