@@ -105,7 +105,7 @@ class Engine:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.cfg = model.cfg
+        self.model_config = model.cfg
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.runner: Runner = runner or ModelRunner(model, config.num_blocks, config.block_size)
         if config.model_threads == "shared":  # a core kept for controllers where there is one to keep
@@ -118,12 +118,12 @@ class Engine:
                              "threads instead (pipeline_threads for a pipeline)")
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_seqs)
         self.steering = Steering(self.block_manager, self.scheduler, tokenizer.stop_token_ids,
-                                 self.cfg.max_position, config.max_forks, self._sequence_ended)
+                                 self.model_config.max_position, config.max_forks, self._sequence_ended)
         self.calls = ControllerCalls(config.controller_threads)
         # An engine dropped without close() still ends its worker threads (they hold the calls'
         # queue, not the engine, so the engine itself can be collected).
         weakref.finalize(self, self.calls.close)
-        self.sampler = Sampler(self.cfg.vocab_size)  # for late sequences' kept rows
+        self.sampler = Sampler(self.model_config.vocab_size)  # for late sequences' kept rows
         self._late: dict[int, _Late] = {}  # by seq_id
         self.failure: str | None = None  # set when the runner failed for good
         self.requests: dict[int, Request] = {}
@@ -154,11 +154,11 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if not prompt_ids:
                 raise ValueError("the prompt is empty")
-            if max(prompt_ids) >= self.cfg.vocab_size or min(prompt_ids) < 0:
-                raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-            if len(prompt_ids) >= self.cfg.max_position:
+            if max(prompt_ids) >= self.model_config.vocab_size or min(prompt_ids) < 0:
+                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+            if len(prompt_ids) >= self.model_config.max_position:
                 raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                 f"{self.cfg.max_position}")
+                                 f"{self.model_config.max_position}")
             self.runner.capabilities.refuse(params)
             if params.speculative is not None:
                 if self.spec is None:

@@ -31,14 +31,14 @@ from .sequence import SamplingParams
 assert sys.byteorder == "little", "mask words are read as little-endian bytes"
 
 # _PENALTY[b, j] is 0.0 when bit j of byte b is set (token allowed), else -inf. Adding the
-# expanded penalty is branch-free: masked_fill_ with a random-looking mask runs ~6x slower here
-# (branch mispredictions), whatever the mask's density.
+# expanded penalty is branch-free: masked_fill_ with a random-looking mask runs several times
+# slower (branch mispredictions), whatever the mask's density.
 _PENALTY = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1, 0.0, -np.inf).astype(np.float32)
 
 
 def argmax(rows: torch.Tensor) -> torch.Tensor:
     """The argmax along the last dimension (numpy's on the CPU, torch's on a GPU)."""
-    # torch's CPU argmax over one long row is ~15x slower than numpy's here (95 vs 6 us at V=49152).
+    # (torch's CPU argmax over one long row is an order of magnitude slower than numpy's)
     if rows.device.type == "cpu":
         return torch.from_numpy(np.asarray(rows.numpy().argmax(axis=-1)))
     return rows.argmax(dim=-1)
@@ -49,7 +49,7 @@ def take_rows(t: torch.Tensor, rows: list[int], copy: bool = False) -> torch.Ten
     (numpy's on the CPU, index_select on a GPU). Why not index_select on the CPU: over logits rows it
     runs on torch's OpenMP threads, which then spin on the core the model's helper thread needs
     next (libgomp spins for milliseconds unless GOMP_SPINCOUNT was set before torch loaded): one
-    such select per verification step made speculative steps ~1.4x slower (issue 18)."""
+    such select per verification step made speculative steps markedly slower."""
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         view = t[rows[0]:rows[0] + len(rows)]
         if not copy:
@@ -63,8 +63,8 @@ def take_rows(t: torch.Tensor, rows: list[int], copy: bool = False) -> torch.Ten
 def keep_nucleus(row: torch.Tensor, top_p: float) -> None:
     """Set to -inf every token outside the smallest most-likely set whose mass reaches top_p.
 
-    A full sort of the vocabulary costs ~4 ms here; LM distributions are peaked, so the nucleus
-    almost always lies in the top 64 tokens: look there first and widen only when it does not."""
+    A full sort of the vocabulary is dear; LM distributions are peaked, so the nucleus almost
+    always lies in the top 64 tokens: look there first and widen only when it does not."""
     probs = row.softmax(-1)
     size = row.shape[0]
     for k in (64, 1024, size):
@@ -222,7 +222,7 @@ class Sampler:
     def _greedy(self, logits: torch.Tensor, masks: list[np.ndarray | None] | None) -> SampleOutput:
         """Greedy rows, masks only: each row's argmax after its mask, -1 for a row whose mask
         allowed nothing. Few operations: right after a forward pass every one of them runs with
-        cold caches (~20-60 us each for a SmolLM2 row here), and a controller's step pays them."""
+        cold caches over a vocabulary row, and a controller's step pays them."""
         if masks is not None:
             self.apply_masks(logits, masks)
         best = argmax(logits)

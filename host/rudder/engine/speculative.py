@@ -42,17 +42,16 @@ from .sequence import Sequence
 _EMA = 0.8  # weight of the past in the running acceptance and timing estimates
 FORCED_ROOM = 16  # positions reserved per draft for controller fast-forwards beyond k
 NOMINAL_T_TARGET = 0.06  # seconds per target forward and per drafted token: the estimates' start
-# Each verified position adds about this fraction of a one-token forward. Measured for SmolLM2
-# (benchmarks/verify_rows.py, 2 threads): bf16 on AVX-512 BF16 0-0.08 by context, with AMX
-# 0.025, int8 0.14, fp32 0.01-0.03. Kept at 0.03 for every precision: the measured bf16 value
-# gave smaller drafts and no gain (speculative.py, 2026-11-26: lookup on extraction 1.40x
-# against 1.45x), since a draft step also pays the controller's calls and the host's work.
+# Each verified position adds about this fraction of a one-token forward (benchmarks/verify_rows.py
+# measures it by precision; docs/speculative.md). One value for every precision: the measured
+# ones gave smaller drafts and no gain, since a draft step also pays the controller's calls and
+# the host's work (benchmarks/RESULTS.md, speculative.py).
 ROW_COST = 0.03
 PROBE_EVERY = 8  # a sequence that stopped drafting (k = 0) tries one token this often, to notice a change
 MAX_PROBE_EVERY = 64  # ... doubling after each probe while drafting is not expected to pay, up to this
 # A draft must be expected to gain this share of tokens per second over plain decoding: the
-# model of `rate` leaves out a drafting step's host work (free text with prompt lookup
-# drafted 1 token at acceptance 0.08 on a third of its steps, and ran at 0.89x of plain).
+# model of `rate` leaves out a drafting step's host work, and free text with prompt lookup,
+# drafting single tokens rarely accepted, ran slower than plain without this margin.
 MIN_GAIN = 0.05
 NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}  # seeded requests' fixed estimates (no wall clock)
 # Until a draft model's step has been measured, its cost is taken as this fraction of the
@@ -60,17 +59,17 @@ NOMINAL_T_DRAFT = {"lookup": 1e-4, "draft": 0.03}  # seeded requests' fixed esti
 # tried, measured, and judged, whatever the target's speed.
 UNMEASURED_DRAFT_SHARE = 0.5
 # What a draft model pays to read a token it missed (the prompt, the steps it sat out), as a share
-# of its decode step until measured: a prefill reads ~10 tokens in the time of one decode step
-# (benchmarks/decode.py: int8 1348 tok/s prefill against 118 tok/s decode).
+# of its decode step until measured: a prefill reads about ten tokens in the time of one decode
+# step (benchmarks/decode.py).
 UNMEASURED_READ_SHARE = 0.1
 # A draft model's round is timed only when it read at most this many new tokens per sequence: a
 # round that first reads what the draft model missed (the prompt, the steps it sat out) is not
 # the cost of a drafted position.
 CAUGHT_UP_TOKENS = 2
 # A draft model's probe (drafting the estimates turn down, to measure again) is skipped when the
-# draft model would first have to read more than this many tokens it missed: 32 at int8 cost ~2
-# target steps of SmolLM2 bf16; probes that read all they missed made free chat with an int8
-# draft 0.92x of plain (speculative.py, 2026-11-26), now ~1.0x.
+# draft model would first have to read more than this many tokens it missed (about two target
+# steps' worth at int8): probes that read all they missed made free chat with an int8 draft
+# slower than plain.
 PROBE_READ = 32
 # The guard (_Adaptive.guard): measured tokens per second of a sequence's drafting steps against
 # its plain steps. A sequence decodes GUARD_SAMPLES plain steps first (the rate to beat, before a
@@ -294,9 +293,8 @@ class Speculator:
         """The engine's draft model (built on first use: a ValueError for a bad spec)."""
         if self._draft_model is None:
             self._draft_model = self.engine.new_draft_model()
-            # Its costs timed now (~0.1 s, once): guessed costs made the first drafting request
-            # draft and read its whole prompt into the draft model, then measure that it did not
-            # pay (extraction with an int8 draft: 0.87x of plain in that request).
+            # Its costs timed now, once: guessed costs made the first drafting request draft and
+            # read its whole prompt into the draft model, then measure that it did not pay.
             costs = self._draft_model.calibrate()
             if costs is not None:
                 self.t_read, self.t_draft["draft"] = costs
@@ -400,8 +398,7 @@ class Speculator:
                 if not d.done and sum(not st.forced for st in d.steps) < d.k:
                     by_source[seq.params.speculative].append(seq)
             # One call with nothing to overlap it (no draft model's forward, no other sequence's
-            # call) runs here: a worker thread's round trip costs ~50-100 us, and a draft of k
-            # tokens makes k of them (speculative.py, extraction: ~0.5 ms a step).
+            # call) runs here: a draft of k tokens would pay k round trips to a worker thread.
             tasks = self.engine.call_controllers(tell, inline=len(tell) <= 1 and not by_source["draft"])
             model_rows, caught_up = {}, True
             if by_source["draft"]:  # the draft model computes while the controllers run

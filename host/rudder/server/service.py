@@ -53,7 +53,7 @@ class Service:
         self.metrics = metrics
         self.engine_loop = engine_loop
         self.admission = Admission(config.max_concurrent, config.max_queue, config.tenant_max_concurrent)
-        self.context = llm.engine.cfg.max_position
+        self.context = llm.engine.model_config.max_position
         self.tokenizer = llm.tokenizer
 
     # -- inputs --------------------------------------------------------------------------------
