@@ -21,7 +21,7 @@ from .engine.output import HeldStream
 from .loading import load_model, load_tokenizer
 from .precision import resolve
 from .reasoning import Reasoning, ReasoningSplitter, split
-from .structured import from_params
+from .constraint_plan import from_params
 
 __all__ = ["LLM"]
 

@@ -2,7 +2,7 @@
 convention of DeepSeek-R1 and Qwen3), then comes the answer.
 
 `Reasoning` says where the thinking ends and how long it may be (`budget`, vLLM's
-`thinking_token_budget`); `structured.with_reasoning` turns it and an optional constraint into
+`thinking_token_budget`); `constraint_plan.with_reasoning` turns it and an optional constraint into
 the `triggers` controller (the thinking free, the constraint from the end marker on, the end
 marker fast-forwarded once the budget is spent); `ReasoningSplitter` splits the output into the
 thinking (`reasoning_content`) and the answer as it streams. Docs: docs/server.md, "Reasoning".

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import structured
+from ..constraint_plan import with_reasoning
 from ..reasoning import Reasoning
 from ..structural_tag import structural_tag
 from ..structured import Constraint, ConstraintError
@@ -179,7 +180,7 @@ def steer_of(body, tools: ToolPlan | None = None, reasoning: Reasoning | None = 
         if found and found[0].param == "rudder.controller":
             return found[0]   # a controller of the client's own sees the thinking too
         thinking = Reasoning(reasoning.start, reasoning.end, budget)
-        c = _check(structured.with_reasoning, constraints[0] if constraints else None, thinking)
+        c = _check(with_reasoning, constraints[0] if constraints else None, thinking)
         limits = found[0].limits if found else None
         return Steer(c.controller, c.arg, limits, c.max_backtrack, c.source)
     return found[0] if found else None
