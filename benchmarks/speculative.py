@@ -150,7 +150,7 @@ def draft_speed(llm, specs, n=40):
         for _ in range(n):
             tokens.append(int(dm.logits([(0, tokens)])[0].argmax()))
         out.append({"model": spec, "ms_per_token": (time.perf_counter() - t) / n * 1e3})
-        dm.release(0)
+        dm.drop(0)
     return out
 
 
