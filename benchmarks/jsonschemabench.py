@@ -2,7 +2,7 @@
 and outlines-core, on the same files in one run.
 
     .venv/bin/python benchmarks/jsonschemabench.py [--data ../shared/jsonschemabench]
-        [--engines ours,llguidance,xgrammar,outlines] [--timeout 20] [--only PREFIX,...]
+        [--engines ours,ours-default,llguidance,xgrammar,outlines] [--timeout 20] [--only PREFIX,...]
         [--limit N] [--timing mask|step] [--json benchmarks/results/jsonschemabench.json]
         [--plot jsonschemabench.png] [--resume]
 
@@ -18,7 +18,16 @@ Per engine and schema, twice: in compact mode (no whitespace) and in flexible-wh
    flexible mode. At each step the mask is computed (timed) and must allow the instance's next
    token; at the end the engine must allow EOS (or stop by itself).
 A valid instance refused is a **validation error**, an invalid one accepted an **invalidation
-error** (counted per instance). A schema **passes** when it compiles in both modes and every
+error** (counted per instance).
+
+Ours runs twice. `ours` is the specification's reading (`"x-rudder-undeclared": "allow"`: an
+object without `additionalProperties` takes any key), which is what the test instances are
+judged by: the coverage figures. `ours-default` is the controller's default (declared
+properties only, docs/json-schema.md), where a valid instance with a key its schema does not
+declare (or an item past a tuple) is refused by design: those refusals are counted apart
+(`undeclared`: refused by ours-default and accepted by ours, and listed as explained when the
+instance has a key no part of the schema names, or an array longer than a tuple of it), and
+`pass*` counts the schemas that pass when they are set aside. A schema **passes** when it compiles in both modes and every
 instance is judged right in both. Compile errors are counted per schema, with their messages in
 the JSON file.
 
@@ -63,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "host"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-ENGINES = ("ours", "llguidance", "xgrammar", "outlines")
+ENGINES = ("ours", "ours-default", "llguidance", "xgrammar", "outlines")
 DEFAULT_DATA = ROOT.parent / "shared" / "jsonschemabench"
 GOALS = {"compile_p95_ms": 5.0, "mask_p99_us": 200.0}
 
@@ -114,6 +123,8 @@ def walk_peer(fill, mask, consume, ids, step: bool):
 
 
 class Ours:
+    undeclared = "allow"   # the specification's reading: what the instances are judged by
+
     def __init__(self, tok, folder):
         from rudder.controller import ControllerRuntime
         from rudder.controller.build import builtin_controller
@@ -123,11 +134,13 @@ class Ours:
         self.module = self.rt.load(builtin_controller("json"))
         self.rt.start(self.module, "{}").close()   # the module's one-time set-up, outside the timings
 
-    @staticmethod
-    def argument(schema, flexible: bool) -> str:
-        if flexible:
-            schema = {**schema, "x-rudder-whitespace": "flexible"} if isinstance(schema, dict) else \
-                {"allOf": [schema], "x-rudder-whitespace": "flexible"}
+    @classmethod
+    def argument(cls, schema, flexible: bool) -> str:
+        options = {"x-rudder-whitespace": "flexible"} if flexible else {}
+        if cls.undeclared:
+            options["x-rudder-undeclared"] = cls.undeclared
+        if options:
+            schema = {**schema, **options} if isinstance(schema, dict) else {"allOf": [schema], **options}
         return json.dumps(schema, ensure_ascii=False)
 
     def compile(self, schema, flexible: bool):
@@ -165,6 +178,10 @@ class Ours:
 
     def close(self, m):
         m["ctl"].close()
+
+
+class OursDefault(Ours):
+    undeclared = None   # the controller's default: declared properties only
 
 
 class LLGuidance:
@@ -278,7 +295,7 @@ class Outlines:
         pass
 
 
-MAKERS = {"ours": Ours, "llguidance": LLGuidance, "xgrammar": XGrammar, "outlines": Outlines}
+MAKERS = {"ours": Ours, "ours-default": OursDefault, "llguidance": LLGuidance, "xgrammar": XGrammar, "outlines": Outlines}
 
 
 def run_schema(engine, tok, path: Path, step: bool = False) -> dict:
@@ -464,6 +481,100 @@ def documented_invalidations(records: dict[str, dict], data: Path) -> tuple[int,
     return documented, undocumented, sorted(set(files))
 
 
+def declared_names(schema) -> tuple[set[str], list[str], int]:
+    """Every key any part of the schema names (properties, required, dependentRequired,
+    propertyNames enums), its patternProperties patterns, and its longest tuple (0: none)."""
+    names, patterns, longest = set(), [], 0
+
+    def visit(s):
+        nonlocal longest
+        if isinstance(s, list):
+            for x in s:
+                visit(x)
+            return
+        if not isinstance(s, dict):
+            return
+        for key, value in s.items():
+            if key == "properties" and isinstance(value, dict):
+                names.update(value)
+            elif key == "patternProperties" and isinstance(value, dict):
+                patterns.extend(value)
+            elif key == "required" and isinstance(value, list):
+                names.update(v for v in value if isinstance(v, str))
+            elif key in ("dependentRequired", "dependencies") and isinstance(value, dict):
+                names.update(value)
+                for v in value.values():
+                    if isinstance(v, list):
+                        names.update(x for x in v if isinstance(x, str))
+            elif key == "propertyNames" and isinstance(value, dict) and isinstance(value.get("enum"), list):
+                names.update(v for v in value["enum"] if isinstance(v, str))
+            elif key == "prefixItems" and isinstance(value, list) or key == "items" and isinstance(value, list):
+                longest = max(longest, len(value))
+            if key in NAMED_SUBSCHEMAS and isinstance(value, dict):
+                for sub in value.values():
+                    visit(sub)
+            elif key not in ("enum", "const", "default", "examples", "example"):
+                visit(value)
+
+    visit(schema)
+    return names, patterns, longest
+
+
+def has_undeclared(data, names: set[str], patterns: list[str], longest: int) -> bool:
+    """Does the instance hold a key the schema names nowhere (and no pattern matches), or an
+    array past the schema's longest tuple (when it has one)?"""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if k not in names and not any(_search(p, k) for p in patterns):
+                return True
+            if has_undeclared(v, names, patterns, longest):
+                return True
+    elif isinstance(data, list):
+        return (longest and len(data) > longest) or any(has_undeclared(v, names, patterns, longest) for v in data)
+    return False
+
+
+def _search(pattern: str, text: str) -> bool:
+    try:
+        return re.search(pattern, text) is not None
+    except re.error:
+        return True   # (a pattern Python cannot read: count the key as matched, conservatively)
+
+
+def default_mode_breakdown(default: dict[str, dict], spec: dict[str, dict], data: Path) -> dict:
+    """ours-default's validation errors split: a valid instance it refuses that ours (the
+    specification's reading) accepts is refused for its undeclared keys or items, by design;
+    the rest are ordinary validation errors. `passing_set_aside`: the schemas that pass when
+    those refusals are not counted."""
+    out = {"undeclared": 0, "undeclared_explained": 0, "other_validation_errors": 0, "passing_set_aside": 0,
+           "unexplained_files": []}
+    for f, r in default.items():
+        if r.get("timeout") or r["error"]:
+            continue
+        s = spec.get(f)
+        accepted = {(w["test"], w["flexible"]) for w in (s or {}).get("walks", []) if w["accepted"]}
+        doc, info = None, None
+        bad = False
+        for w in r["walks"]:
+            if w["valid"] and not w["accepted"]:
+                if (w["test"], w["flexible"]) in accepted:
+                    out["undeclared"] += 1
+                    if doc is None:
+                        doc = json.loads((data / f).read_text(encoding="utf-8"))
+                        info = declared_names(doc["schema"])
+                    if has_undeclared(doc["tests"][w["test"]]["data"], *info):
+                        out["undeclared_explained"] += 1
+                    elif f not in out["unexplained_files"]:
+                        out["unexplained_files"].append(f)
+                else:
+                    out["other_validation_errors"] += 1
+                    bad = True
+            elif not w["valid"] and w["accepted"]:
+                bad = True
+        out["passing_set_aside"] += not bad
+    return out
+
+
 def error_reasons(records: dict[str, dict], n: int = 8) -> list[tuple[int, str]]:
     """The most common compile errors, paths and quoted names cut out (to group them)."""
     counts: dict[str, int] = {}
@@ -485,7 +596,7 @@ def fmt(s: dict) -> str:
             f" {g('compile_max_ms', '{:.0f}'):>7} | {g('mask_p50_us'):>6} {g('mask_p99_us'):>7} {g('mask_max_us', '{:.0f}'):>7}")
 
 
-HEADER = (f"{'engine':<11} {'pass':>5} {'%':>6} {'c.err':>5} {'t/o':>4} {'v.err':>5} {'i.err':>5} |"
+HEADER = (f"{'engine':<13} {'pass':>5} {'%':>6} {'c.err':>5} {'t/o':>4} {'v.err':>5} {'i.err':>5} |"
           f" {'c p50ms':>7} {'c p95':>7} {'c max':>7} | {'m p50us':>6} {'p99':>7} {'max':>7}")
 
 
@@ -643,20 +754,29 @@ def main() -> None:
           f" {time.perf_counter() - t_start:.0f} s; timing: {args.timing}\n")
     print(HEADER)
     for e in workers:
-        print(f"{e:<11} {fmt(summary['total'][e])}")
+        print(f"{e:<13} {fmt(summary['total'][e])}")
     print(f"\non the {len(common)} files every engine compiled:")
     for e in workers:
-        print(f"{e:<11} {fmt(summary['common'][e])}")
+        print(f"{e:<13} {fmt(summary['common'][e])}")
     print("\nper subset:")
     for sub in summary["subsets"]:
         print(f"{sub} ({summary['subsets'][sub][next(iter(workers))]['schemas']} files)")
         for e in workers:
-            print(f"  {e:<9} {fmt(summary['subsets'][sub][e])}")
+            print(f"  {e:<13} {fmt(summary['subsets'][sub][e])}")
     print("\nmost common compile errors:")
     for e in workers:
         summary["total"][e]["error_reasons"] = error_reasons(records[e])
         for count, msg in summary["total"][e]["error_reasons"]:
-            print(f"  {e:<11} {count:>4}  {msg}")
+            print(f"  {e:<13} {count:>4}  {msg}")
+    if "ours-default" in workers and "ours" in workers:
+        b = default_mode_breakdown(records["ours-default"], records["ours"], args.data)
+        summary["total"]["ours-default"]["breakdown"] = b
+        print(f"\nours-default (declared properties only): {b['undeclared']} valid instances refused for keys or items "
+              f"their schema does not declare (accepted in the specification's reading; {b['undeclared_explained']} hold a "
+              f"key no part of the schema names or an array past its tuples"
+              + (f"; the others in {', '.join(b['unexplained_files'][:10])}" if b["unexplained_files"] else "")
+              + f"), {b['other_validation_errors']} other validation errors; passing with those refusals set aside: "
+              f"{b['passing_set_aside']}")
     if "ours" in workers:
         t = summary["total"]["ours"]
         checks = []
