@@ -72,3 +72,27 @@ def test_cli_trace_prints_each_step():
     assert lines and "mask allows 2" in lines[0] and "'y'" in lines[0] and "'n'" in lines[0]
     assert done.stdout.strip() in ("yes", "no")
     assert len(np.unique([ln.split(",")[0] for ln in lines])) == len(lines)  # one line per step
+
+
+def test_a_step_records_its_sampled_token_and_alternatives_and_a_stop_is_a_step(llm):
+    letters = mask_of(range(100, 140))  # ids 3..258 are the bytes: 'a' is 100
+    ctl = Scripted([[Branch(mask=letters)], []])
+    [out] = llm.generate([[10, 20]], SamplingParams(max_tokens=4, temperature=0.7, seed=3), controllers=[ctl],
+                         trace=True)
+    first, stop = out.trace
+    assert first.token == out.token_ids[0] and 100 <= first.token < 140
+    assert len(first.top) == 5 and all(100 <= t < 140 for t, _ in first.top)  # the distribution under the mask
+    assert first.top == sorted(first.top, key=lambda t: -t[1]) and first.top[0][1] >= first.logprob
+    assert stop.stop and stop.token is None and stop.branch == 0 and out.finish_reason == "stop"
+    line = first.describe(llm.tokenizer)
+    assert "mask allows 40: 'a', 'b', 'c', 'd', 'e', ..." in line and "sampled " in line and " p=0." in line
+    assert stop.describe().startswith(f"step {stop.step} seq 0, stop,")
+
+
+def test_tracing_changes_neither_the_tokens_nor_the_logprobs_asked_for(llm):
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=9, logprobs=2, ignore_eos=True)
+    runs = [llm.generate([[10, 20]], params, controllers=[Scripted([[Branch(mask=mask_of(range(60, 200)))]])],
+                         trace=trace)[0] for trace in (False, True)]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].logprobs == runs[1].logprobs and all(len(lp["top"]) == 2 for lp in runs[1].logprobs)
+    assert [t.token for t in runs[1].trace] == runs[1].token_ids  # one Branch per token here

@@ -18,7 +18,7 @@ import numpy as np
 from ..branch import Branch
 from .output import Delta
 from .sequence import Request, Sequence, SeqStatus
-from .trace import trace_of
+from .trace import note_sample, stop_of, trace_of
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -113,6 +113,8 @@ class Steering:
             return []
         try:
             if not answer:
+                if req.trace is not None:
+                    req.trace.append(stop_of(seq, seconds))
                 deltas.append(self.finish(seq, "stop"))
                 return []
             if req.live + len(answer) - 1 > self.max_forks:
@@ -122,7 +124,7 @@ class Steering:
             for k, (s, branch) in enumerate(zip(forks, answer)):
                 s.cursor.took(k if len(answer) > 1 else 0)
                 if req.trace is not None:
-                    req.trace.append(trace_of(s, k, branch, seconds))
+                    req.trace.append(trace_of(s, k, branch, seconds, seq.branch if k else None))
                 if self.apply_branch(s, branch, deltas):
                     samples.append(Sample(s, row, branch))
             return samples
@@ -174,6 +176,8 @@ class Steering:
                     deltas: list[Delta]) -> None:
         """What a sampled token does: end the sequence (a stop token, or a mask that allowed
         nothing: token -1), or append it with the ff list it selects."""
+        if seq.request.trace is not None:
+            logprob = note_sample(seq, token, logprob)
         if token < 0:
             deltas.append(self.finish(seq, "error", "the sample mask allowed no token"))
             return

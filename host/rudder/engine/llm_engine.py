@@ -54,6 +54,7 @@ from .sampler import Sampler, take_rows
 from .scheduler import Headroom, Scheduler
 from .sequence import Request, SamplingParams, Sequence
 from .step import ScheduledSeq
+from .trace import sampler_params
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -406,7 +407,8 @@ class Engine:
         """Sample every Sample at once through the runner, or here from `kept` logits rows (a late
         sequence's, one per Sample)."""
         masks = [s.branch.mask if s.branch is not None else None for s in samples]
-        params = [s.seq.params for s in samples]
+        params = [s.seq.params if s.seq.request.trace is None else sampler_params(s.seq.params)
+                  for s in samples]  # a traced request's steps record the top alternatives
         # Penalties need each row's tokens (a runner that cannot apply them never gets such a row:
         # add_request refuses them by its capabilities).
         history = [(s.seq.token_ids, s.seq.num_prompt) if s.seq.params.penalized else None

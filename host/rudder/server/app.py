@@ -291,7 +291,12 @@ async def _run(svc: Service, body: RunRequest, request: Request):
                        param="controller")
     if aici and not body.stream:
         raise APIError("invalid_request", "AICI runs are streamed (aici needs stream: true)", param="stream")
-    jobs = await svc.start_all([(ids, params)], steer, principal(request))
+    trace = body.trace_options
+    if trace is not None and (steer is None or aici):
+        raise APIError("invalid_request", "trace needs a controller (it lists the Branches a controller gave)"
+                       if steer is None else "trace events come in rudder's stream, not AICI's (aici: false)",
+                       param="trace")
+    jobs = await svc.start_all([(ids, params)], steer, principal(request), trace)
     if aici:
         return event_stream(svc, jobs, _aici_stream(svc, jobs[0]))
     if not body.stream:
@@ -302,7 +307,11 @@ async def _run(svc: Service, body: RunRequest, request: Request):
         result = jobs[0].result
         if result.error is not None:
             raise result.error
-        return {"choices": _choices(result), "usage": result.usage_dict(), "timings": result.timings_dict(),
+        choices = _choices(result)
+        if trace is not None:
+            for choice, c in zip(choices, result.completions):
+                choice["trace"] = [t.as_dict(svc.tokenizer, mask=trace.masks) for t in c.trace]
+        return {"choices": choices, "usage": result.usage_dict(), "timings": result.timings_dict(),
                 "log": result.log}
     return event_stream(svc, jobs, _run_stream(svc, jobs))
 
@@ -323,11 +332,14 @@ def _delta(d) -> dict:
 
 async def _run_stream(svc: Service, jobs):
     """/v1/run's events: one per engine step ("step": each fork's delta, new log text), then
-    "done" with every branch's final text, usage and timings (and the error, if it failed)."""
+    "done" with every branch's final text, usage and timings (and the error, if it failed). A
+    traced run also has a "trace" event per applied Branch, before the step that shows it."""
     async with contextlib.aclosing(svc.events(jobs)) as events:
-        async for _, kind, *payload in events:
+        async for job, kind, *payload in events:
             if kind == "step":
-                deltas, log_text = payload
+                deltas, log_text, steps = payload
+                for t in steps:
+                    yield sse({"type": "trace", **t.as_dict(svc.tokenizer, mask=job.trace.masks)})
                 event = {"type": "step", "deltas": [_delta(d) for d in deltas]}
                 if log_text:
                     event["log"] = log_text
@@ -370,7 +382,7 @@ async def _aici_stream(svc: Service, job):
                 if payload[0].error is not None:
                     yield failed(str(payload[0].error), payload[0].error.extra.get("log_tail", ""))
             else:
-                deltas, log_text = payload
+                deltas, log_text, _ = payload
                 forks = []
                 try:
                     for d in deltas:

@@ -84,7 +84,8 @@ class EngineLoop:
 
     def _add(self, job: Job) -> None:
         try:
-            req = self.engine.add_request(job.prompt, job.params, job.controller)  # closes it on refusal
+            req = self.engine.add_request(job.prompt, job.params, job.controller,  # closes it on refusal
+                                          trace=job.trace is not None)
         except (ValueError, RunnerFailure, ControllerError) as e:
             if isinstance(e, ControllerError):  # its kind and log reach the client, as everywhere else
                 error = controller_error(e)
@@ -126,7 +127,7 @@ class EngineLoop:
                 else:
                     self.metrics.itl.observe(now - job.last_tokens_at)
                 job.last_tokens_at = now
-            job.post(("step", ds, job.new_log()))
+            job.post(("step", ds, job.new_log(), job.new_trace()))
             if job.request.finished:
                 self._finish(job)
 

@@ -3,7 +3,8 @@ prompt of a legacy completion).
 
 The engine thread posts events into the job's asyncio queue (thread-safely), which several jobs
 of one HTTP request may share; the handler reads them. Events: `(job, "step", [Delta...], new
-log text)`, then `(job, "done", Result)` or `(job, "error", APIError)`."""
+log text, [TraceStep...] completed since the last step)`, then `(job, "done", Result)` or
+`(job, "error", APIError)`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ..engine import Completion, SamplingParams, Usage
+from ..engine.trace import ready
 from .errors import APIError
 
 
@@ -66,6 +68,8 @@ class Job:
         self.result: Result | None = None  # set by Service.events from the "done" event
         self.error: APIError | None = None
         self.ended = False              # Service.end has released it
+        self.trace = None               # the request's TraceOptions when it asked for trace events
+        self.trace_offset = 0           # how many of its trace steps were posted
 
     def post(self, event: tuple) -> None:
         """From the engine thread: hand an event to the handler."""
@@ -82,6 +86,15 @@ class Job:
             data = bytes(ctx.log[self.log_offset:])
         self.log_offset += len(data)
         return data.decode("utf-8", "replace")
+
+    def new_trace(self) -> list:
+        """The trace steps completed since the last call (engine thread, between steps)."""
+        trace = self.request.trace
+        if trace is None:
+            return []
+        end = ready(trace, self.trace_offset, self.request.seqs)
+        steps, self.trace_offset = trace[self.trace_offset:end], end
+        return steps
 
     def log_text(self) -> str:
         ctx = getattr(self.controller, "request", None)

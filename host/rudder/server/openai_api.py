@@ -21,6 +21,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 
@@ -57,6 +58,7 @@ class _Shape:
     raw: bool = False
     echo: list[str] | None = None    # per prompt (completions)
     reasoning: Reasoning | None = None  # chat: the thinking comes back as reasoning_content
+    trace: Any = None                # rudder.trace's TraceOptions: rudder_trace with the choices
 
     @property
     def mode(self) -> str | None:
@@ -86,7 +88,8 @@ async def _chat(svc: Service, body: ChatRequest, request: Request):
     if reasoning is not None and shape.raw:
         raise APIError("invalid_request", "rudder.stream_backtrack cannot be used with --reasoning-parser",
                        param="rudder.stream_backtrack")
-    jobs = await svc.start_all([(ids, params)], steer, _who(request))
+    shape.trace = _trace(body, steer)
+    jobs = await svc.start_all([(ids, params)], steer, _who(request), shape.trace)
     return await _respond(svc, jobs, body, shape, "chatcmpl")
 
 
@@ -108,13 +111,29 @@ async def _completions(svc: Service, body: CompletionRequest, request: Request):
         ids = svc.encode(p, param)
         specs.append((ids, svc.sampling(body, body.max_tokens, len(ids), param, logprobs=body.logprobs)))
         echo.append((p if isinstance(p, str) else svc.tokenizer.decode(ids)) if body.echo else "")
-    shape = _Shape(False, body.n, None, body.logprobs, _raw(body, None), echo if body.echo else None)
-    jobs = await svc.start_all(specs, steer, _who(request))
+    shape = _Shape(False, body.n, None, body.logprobs, _raw(body, None), echo if body.echo else None,
+                   trace=_trace(body, steer))
+    jobs = await svc.start_all(specs, steer, _who(request), shape.trace)
     return await _respond(svc, jobs, body, shape, "cmpl")
 
 
 def _who(request: Request):
     return getattr(request.state, "principal", ANONYMOUS)
+
+
+def _trace(body, steer):
+    """rudder.trace's options; a request without a controller has no Branch to trace."""
+    trace = body.rudder.trace_options if body.rudder is not None else None
+    if trace is not None and steer is None:
+        raise APIError("invalid_request", "rudder.trace needs a controller: a structured-output field, tools, n > 1 "
+                       "or rudder.controller (it lists the Branches a controller gave)", param="rudder.trace")
+    return trace
+
+
+def _trace_entries(svc: Service, shape: _Shape, job, steps) -> list[dict]:
+    """Trace steps as rudder_trace entries (each with its choice's index)."""
+    return [{"index": job.index * shape.n + t.branch, **t.as_dict(svc.tokenizer, mask=shape.trace.masks)}
+            for t in steps]
 
 
 def _raw(body, plan: ToolPlan | None) -> bool:
@@ -232,6 +251,9 @@ async def _stream(svc: Service, jobs, shape: _Shape, head: dict, opts):
     async with contextlib.aclosing(svc.events(jobs)) as events:
         async for job, kind, *payload in events:
             if kind == "step":
+                if payload[2]:  # a traced request's steps, in a chunk of their own
+                    yield sse({**head, "object": obj, "choices": [],
+                               "rudder_trace": _trace_entries(svc, shape, job, payload[2])})
                 items: dict[int, dict] = {}  # one entry per choice per chunk, as OpenAI sends
                 for d in payload[0]:
                     c = choice_of(job, d.branch)
@@ -342,6 +364,8 @@ async def _whole(svc: Service, jobs, shape: _Shape, head: dict) -> dict:
             c = choices.get((job.index, comp.branch)) or _Choice(job.index * shape.n + comp.branch, None, shape)
             completion_tokens += len(comp.token_ids)
             out.append(_whole_choice(svc, shape, job, c, comp))
+            if shape.trace is not None:
+                out[-1]["rudder_trace"] = _trace_entries(svc, shape, job, comp.trace)
     out.sort(key=lambda ch: ch["index"])
     return {**head, "object": "chat.completion" if shape.chat else "text_completion", "choices": out,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

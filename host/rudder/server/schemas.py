@@ -60,6 +60,19 @@ class Message(_Body):
         return self.content or ""
 
 
+class TraceOptions(_Body):
+    """`"trace": {...}`: a trace event per applied Branch (docs/server.md, "Trace events");
+    `masks` adds each mask's words (base64), not only its summary."""
+
+    masks: bool = False
+
+
+def _trace_options(value) -> Optional[TraceOptions]:
+    if value is True:
+        return TraceOptions()
+    return value or None
+
+
 class RunRequest(Sampling):
     """POST /v1/run: a controller (tag or module id), its argument, and a prompt or messages."""
 
@@ -73,10 +86,15 @@ class RunRequest(Sampling):
     # AICI's stream (an "initial-run" event, "run" events with forks, then [DONE]); by default
     # when the request has neither prompt nor messages, as AICI clients send.
     aici: Optional[bool] = None
+    trace: Union[bool, TraceOptions] = False
 
     @property
     def arg(self) -> str:
         return _arg_text(self.controller_arg)
+
+    @property
+    def trace_options(self) -> Optional[TraceOptions]:
+        return _trace_options(self.trace)
 
 
 class RudderExtension(_Body):
@@ -95,10 +113,15 @@ class RudderExtension(_Body):
     structural_tag: Optional[Any] = None
     max_backtrack: Optional[int] = Field(None, ge=0)
     stream_backtrack: bool = False
+    trace: Union[bool, TraceOptions] = False
 
     @property
     def arg(self) -> str:
         return _arg_text(self.controller_arg)
+
+    @property
+    def trace_options(self) -> Optional[TraceOptions]:
+        return _trace_options(self.trace)
 
 
 class ResponseFormat(_Body):

@@ -146,10 +146,10 @@ class Service:
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, steer: Steer | None,
                     who: Principal = ANONYMOUS, *, queue: asyncio.Queue | None = None, index: int = 0,
-                    arrived: float | None = None) -> Job:
+                    arrived: float | None = None, trace=None) -> Job:
         """Wait for a place (or 429), start the controller (its rudder_start runs off the event
         loop) and hand the job to the engine thread. The job's `window` is how many tokens its
-        controller may take back (None: unknown)."""
+        controller may take back (None: unknown). `trace`: TraceOptions, for trace events."""
         arrived = arrived if arrived is not None else time.perf_counter()
         label = steer.controller if steer is not None else ""
         acquired = False
@@ -165,6 +165,7 @@ class Service:
             job = Job(asyncio.get_running_loop(), prompt_ids, params, ctl, queue=queue, index=index,
                       arrived=arrived, tenant=who.tenant, label=label,
                       module_id=resolved.module_id if resolved else None)
+            job.trace = trace
             job.window = 0 if steer is None else (steer.max_backtrack if steer.max_backtrack is not None
                                                   else resolved.backtrack_for(steer.arg))
         except BaseException as e:
@@ -197,14 +198,15 @@ class Service:
             raise APIError("invalid_request", str(e), param="controller_limits") from None
 
     async def start_all(self, specs: list[tuple[list[int], SamplingParams]], steer: Steer | None,
-                        who: Principal) -> list[Job]:
+                        who: Principal, trace=None) -> list[Job]:
         """One job per prompt, sharing one event queue; all or none."""
         queue: asyncio.Queue = asyncio.Queue()
         arrived = time.perf_counter()
         jobs: list[Job] = []
         try:
             for i, (ids, params) in enumerate(specs):
-                jobs.append(await self.start(ids, params, steer, who, queue=queue, index=i, arrived=arrived))
+                jobs.append(await self.start(ids, params, steer, who, queue=queue, index=i, arrived=arrived,
+                                             trace=trace))
         except BaseException:
             self.end(jobs)
             raise
