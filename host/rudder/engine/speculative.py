@@ -14,9 +14,12 @@ The drafted tokens are appended as pending tokens, so the one target forward of 
 over them all (`ScheduledSeq.logit_rows` = 1 + drafted). `verify` then walks the positions with
 the masks recorded while drafting (no extra controller call): greedy accepts while the target's
 masked argmax agrees; sampling accepts with min(1, p/q) and resamples a rejection from the
-normalised residual max(0, p - q), so the output follows the target's distribution. Rejected
+normalised residual max(0, p - q), with p and q from the one definition plain sampling draws
+from (`sampler.sampling_weights`), so the output follows plain sampling's distribution. Rejected
 positions are popped from the KV cache, the controller learns them as `backtrack` at its next
-call, with the corrected token as its `append` (the cursor's `ahead`, engine/cursor.py). When
+call, with the corrected token as its `append` (the cursor's `ahead`, engine/cursor.py). The
+speculator only decides: `Steering` makes every change to a sequence (attach_draft,
+settle_draft, append), and of the engine it sees `EngineView` alone. When
 every draft token is accepted, the controller's last answer - whatever it is: fork, backtrack,
 stop - is applied to the logits of the position after the draft by the same code as any answer
 (`Steering.apply_answer`, engine/branching.py). The verification rows are read through the
