@@ -76,6 +76,21 @@ MUTATIONS = [
     Mutation("the progress budget", "host/rudder/engine/budget.py",
              "        if seq.steps > allowed:", "        if seq.steps > 100 * allowed:",
              ["tests/test_tenants.py"]),
+    Mutation("the min-p step", "host/rudder/engine/sampler.py",
+             "        if p.min_p > 0:\n", "        if p.min_p > 0 and False:\n",
+             ["tests/test_sampler.py", "tests/test_spec_exactness.py"]),
+    Mutation("verification's top-p", "host/rudder/engine/speculative.py",
+             "    w = sampling_weights(row.unsqueeze(0).clone(), [params])[0]",
+             "    w = sampling_weights(row.unsqueeze(0).clone(), [__import__('dataclasses').replace(params, top_p=1.0)])[0]",
+             ["tests/test_spec_exactness.py"]),
+    Mutation("a frequency penalty's strength", "host/rudder/engine/sampler.py",
+             "                    add(i, out, np.full(len(out), -p.frequency_penalty, dtype=np.float32))",
+             "                    add(i, out, np.full(len(out), -p.frequency_penalty / 2, dtype=np.float32))",
+             ["tests/test_sampler.py"]),
+    Mutation("admission past the step's token budget", "host/rudder/engine/scheduler.py",
+             "            self.waiting.popleft()\n            n = min(seq.num_pending, budget)",
+             "            self.waiting.popleft()\n            n = seq.num_pending",
+             ["tests/test_engine.py"]),
 ]
 
 
