@@ -80,6 +80,7 @@ enum {
     RUDDER_CONFIG_MAX_FORKS = 1,   /* live sequences per request (and branches per result) */
     RUDDER_CONFIG_MAX_FF = 2,      /* fast-forward tokens per step, all lists of a result */
     RUDDER_CONFIG_FLAGS = 3,
+    RUDDER_CONFIG_HEAL = 4,        /* prompt tokens the first answer takes back (token healing); 0: none */
 };
 #define RUDDER_FLAG_FORKS 1u       /* bit 0 of RUDDER_CONFIG_FLAGS: forks allowed */
 #define RUDDER_FLAG_BACKTRACK 2u   /* bit 1: backtrack allowed */

@@ -31,9 +31,12 @@ typedef struct {
 } building;
 
 struct rudder_cx {
-    rudder_engine e;
+    rudder_engine e;                  /* no functions: no constraint */
     uint32_t origin;                  /* the checkpoint the layer started at */
     uint32_t *cps, n_cps, cap_cps;    /* cps[k]: the checkpoint after k tokens (cps[0]: the start) */
+    /* token healing: the taken-back prompt bytes, and healed[k]: how many of them k tokens wrote */
+    uint8_t *heal;
+    uint32_t n_heal, *healed, cap_healed;
     bool ff;
     uint32_t ff_budget, eos, words;
     /* the cache */
@@ -69,11 +72,19 @@ rudder_cx *rudder_cx_new(const rudder_engine *engine) {
     rudder_cx *cx = rudder_zalloc(sizeof *cx);
     if (!cx)
         rudder_panic("constraint: out of memory");
+    cx->eos = rudder_eos_token();
+    cx->cap_cps = 64;
+    cx->cps = rudder_xalloc(cx->cap_cps * 4);
+    cx->n_cps = 1;
+    if (!engine) {   /* no constraint: no answers to build or cache */
+        cx->e.name = "heal";
+        cx->e.what = "the taken-back text";
+        return cx;
+    }
     cx->e = *engine;
     int32_t budget = rudder_config(RUDDER_CONFIG_MAX_FF);
     cx->ff_budget = budget > 0 ? (uint32_t)budget : 0;
     cx->ff = cx->ff_budget > 0;
-    cx->eos = rudder_eos_token();
     cx->words = rudder_mask_words();
     cx->pool = rudder_xalloc((size_t)(MASK_SLOTS + 2) * cx->words * 4);
     cx->build_mask = cx->pool + (size_t)MASK_SLOTS * cx->words;
@@ -86,10 +97,7 @@ rudder_cx *rudder_cx_new(const rudder_engine *engine) {
     cx->b.toks = rudder_grow(NULL, &cx->b.cap_toks, 64, 4);
     cache_clear(cx);
     cx->keybuf = rudder_xalloc(MAX_KEY);
-    cx->cap_cps = 64;
-    cx->cps = rudder_xalloc(cx->cap_cps * 4);
     cx->origin = cx->cps[0] = cx->e.save(cx->e.self);
-    cx->n_cps = 1;
     /* the first answer now, at start (its deadline is a second): the first step, which also
      * has the first call of the host's tokenizer (a pool warms up), is then a lookup */
     rudder_cx_info_now(cx);
@@ -122,27 +130,45 @@ bool rudder_cx_begin(rudder_cx *cx, const uint8_t *prefix, uint32_t n) {
 void rudder_cx_rewind(rudder_cx *cx, uint32_t kept) {
     if (kept >= cx->n_cps - 1)
         return;   /* already there: the engine is at the last checkpoint between calls */
-    cx->e.restore(cx->e.self, cx->cps[kept]);
+    if (cx->e.restore)
+        cx->e.restore(cx->e.self, cx->cps[kept]);
     cx->n_cps = kept + 1;
 }
 
+/* Taken-back bytes the tokens followed so far wrote again (token healing). */
+static uint32_t healed_now(const rudder_cx *cx) { return cx->n_heal ? cx->healed[cx->n_cps - 1] : 0; }
+
+bool rudder_cx_healing(const rudder_cx *cx) { return healed_now(cx) < cx->n_heal; }
+
 bool rudder_cx_push(rudder_cx *cx, uint32_t token) {
-    uint32_t len;
+    uint32_t len = 0, done = healed_now(cx), skip = 0;
     const uint8_t *bytes = rudder_token_bytes(token, &len);
-    if (!bytes || !len || !cx->e.push(cx->e.self, bytes, len))
+    if ((!bytes || !len) && (cx->e.push || done < cx->n_heal))
+        return false;   /* a special token continues nothing (free text, with no constraint, takes it) */
+    if (done < cx->n_heal) {   /* the taken-back bytes come first; the engine sees what follows them */
+        skip = len < cx->n_heal - done ? len : cx->n_heal - done;
+        if (memcmp(bytes, cx->heal + done, skip))
+            return false;
+    }
+    if (skip < len && cx->e.push && !cx->e.push(cx->e.self, bytes + skip, len - skip))
         return false;
     cx->cps = rudder_grow(cx->cps, &cx->cap_cps, cx->n_cps + 1, 4);
-    cx->cps[cx->n_cps++] = cx->e.save(cx->e.self);
+    cx->cps[cx->n_cps] = cx->e.save ? cx->e.save(cx->e.self) : 0;
+    if (cx->n_heal) {
+        cx->healed = rudder_grow(cx->healed, &cx->cap_healed, cx->n_cps + 1, 4);
+        cx->healed[cx->n_cps] = done + skip;
+    }
+    cx->n_cps++;
     return true;
 }
 
-bool rudder_cx_accepting(rudder_cx *cx) { return cx->e.accepting(cx->e.self); }
+bool rudder_cx_accepting(rudder_cx *cx) { return !cx->e.accepting || cx->e.accepting(cx->e.self); }
 
 bool rudder_cx_follow(rudder_cx *cx, const uint32_t *tokens, uint32_t n, uint32_t kept, uint32_t *bad, bool *ended) {
     *ended = false;
     rudder_cx_rewind(cx, kept < n ? kept : n);
     for (uint32_t i = cx->n_cps - 1; i < n; i++) {
-        if (tokens[i] == cx->eos && rudder_cx_accepting(cx)) {
+        if (tokens[i] == cx->eos && !rudder_cx_healing(cx) && rudder_cx_accepting(cx)) {
             *ended = true;   /* the output ended (EOS is allowed only where it may) */
             return true;
         }
@@ -402,7 +428,80 @@ rudder_branch *rudder_cx_answer(rudder_cx *cx, const rudder_cx_info *in, rudder_
     return b;
 }
 
+/* -- token healing ---------------------------------------------------------------------------- */
+
+/* Every token of the trie nodes [first, end): what continues when there is no constraint. */
+static uint32_t all_tokens(uint32_t *mask, uint32_t first, uint32_t end) {
+    const uint32_t *nodes = rudder_trie_get()->nodes;
+    uint32_t n = 0;
+    for (uint32_t i = first; i < end; i++)
+        if (nodes[2 * i] >> 8) {
+            rudder_mask_set(mask, (nodes[2 * i] >> 8) - 1);
+            n++;
+        }
+    return n;
+}
+
+/* While taken-back bytes remain: sample among the tokens that write all the rest of them (that
+ * rest, or the rest and then bytes that continue the constraint), the way the model would write
+ * them with what follows; only when none does (a constraint refuses what they would add), among
+ * the tokens that write a prefix of the rest. Not EOS. */
+static rudder_branch *heal_answer(rudder_cx *cx, rudder_out *out) {
+    uint32_t done = healed_now(cx), n = cx->n_heal - done, node = rudder_trie_node(cx->heal + done, n), count = 0;
+    const uint32_t *nodes = rudder_trie_get()->nodes;
+    uint32_t *mask = rudder_out_mask(out);
+    if (node) {   /* the rest's trie node: its token, and the longer ones in its subtree */
+        uint32_t first = node + 1, end = node + nodes[2 * node + 1];
+        count = cx->e.walk ? cx->e.walk(cx->e.self, mask, first, end) : all_tokens(mask, first, end);
+        count += all_tokens(mask, node, node + 1);
+    }
+    if (!count)   /* none: the tokens that write a prefix of the rest */
+        for (uint32_t d = 1, at; d < n && (at = rudder_trie_node(cx->heal + done, d)) != 0; d++)
+            count += all_tokens(mask, at, at + 1);
+    if (!count) {
+        rudder_out_fail(out, "token healing: no token writes the taken-back text again");
+        return NULL;
+    }
+    return rudder_out_sample(out, mask);
+}
+
+/* The first step of a healing request: take back the prompt's last k tokens and sample under the
+ * healing mask. false when the host asks for no healing. */
+static bool heal_first(rudder_cx *cx, const rudder_step *step, rudder_out *out) {
+    int32_t k = rudder_config(RUDDER_CONFIG_HEAL);
+    if (k <= 0)
+        return false;
+    if ((uint32_t)k >= step->n_prompt) {
+        rudder_out_fail(out, "token healing: the host asks to take back the whole prompt");
+        return true;
+    }
+    uint32_t first = step->n_prompt - (uint32_t)k, n = 0, len;
+    for (uint32_t i = first; i < step->n_prompt; i++) {
+        if (!rudder_token_bytes(step->seq[i], &len) || !len) {
+            rudder_out_fail(out, "token healing: the host asks to take back a special token");
+            return true;
+        }
+        n += len;
+    }
+    cx->heal = rudder_xalloc(n);
+    cx->n_heal = 0;
+    for (uint32_t i = first; i < step->n_prompt; i++) {
+        const uint8_t *b = rudder_token_bytes(step->seq[i], &len);
+        memcpy(cx->heal + cx->n_heal, b, len);
+        cx->n_heal += len;
+    }
+    cx->healed = rudder_grow(cx->healed, &cx->cap_healed, cx->cap_cps, 4);
+    rudder_cx_rewind(cx, 0);
+    cx->healed[0] = 0;
+    rudder_branch *b = heal_answer(cx, out);
+    if (b)
+        b->backtrack = (uint32_t)k;
+    return true;
+}
+
 void rudder_cx_step(rudder_cx *cx, const rudder_step *step, rudder_out *out) {
+    if (step->index == 0 && heal_first(cx, step, out))
+        return;
     uint32_t n_gen = step->n_seq - step->n_prompt, had = rudder_cx_count(cx), bad;
     uint32_t kept = step->index == 0 || step->backtrack > had ? 0 : had - step->backtrack;
     bool ended;
@@ -410,6 +509,12 @@ void rudder_cx_step(rudder_cx *cx, const rudder_step *step, rudder_out *out) {
         rudder_out_fail(out, say(cx, "a generated token does not continue"));
         return;
     }
-    if (!ended)
+    if (ended)
+        return;
+    if (rudder_cx_healing(cx))
+        heal_answer(cx, out);
+    else if (!cx->e.push)
+        rudder_out_sample(out, NULL);   /* no constraint */
+    else
         rudder_cx_answer(cx, rudder_cx_info_now(cx), out);
 }

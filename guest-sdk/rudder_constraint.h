@@ -12,7 +12,11 @@
  * - otherwise a mask of the tokens that continue, with EOS when the output may end; when few
  *   tokens are allowed, each one after which bytes are forced carries an ff list (the token,
  *   then the forced tokens), within the host's fast-forward budget;
- * - a position's answer is cached when the engine gives positions a key.
+ * - a position's answer is cached when the engine gives positions a key;
+ * - token healing: when the host asks for it (RUDDER_CONFIG_HEAL = k > 0), the first step takes
+ *   back the prompt's last k tokens and the output writes their bytes again first, in tokens of
+ *   the model's choice (a mask of the tokens that spell a prefix of them, or all of them and then
+ *   bytes that continue the constraint); only the bytes after them reach the engine.
  * See docs/constraints.md.
  */
 #ifndef RUDDER_CONSTRAINT_H
@@ -49,7 +53,9 @@ typedef struct rudder_engine {
 
 typedef struct rudder_cx rudder_cx;
 
-/* A layer over `engine` (copied), starting at the engine's current position. */
+/* A layer over `engine` (copied), starting at the engine's current position. NULL: no
+ * constraint (every byte continues, the output may end anywhere, steps sample freely), for a
+ * controller that only heals; such a layer takes rudder_cx_step and the follow calls only. */
 rudder_cx *rudder_cx_new(const rudder_engine *engine);
 const rudder_engine *rudder_cx_engine(const rudder_cx *cx);
 /* No fast-forward at all (every token is sampled under a mask); also when the host's budget
@@ -97,8 +103,12 @@ const rudder_cx_info *rudder_cx_info_now(rudder_cx *cx);
 rudder_branch *rudder_cx_answer(rudder_cx *cx, const rudder_cx_info *in, rudder_out *out);
 
 /* A whole step of a controller whose output is constrained from its first token: follow the
- * generated tokens, then answer. */
+ * generated tokens, then answer; with token healing, the first step takes back the prompt's last
+ * RUDDER_CONFIG_HEAL tokens, and steps answer under the healing mask until their bytes are
+ * written again. */
 void rudder_cx_step(rudder_cx *cx, const rudder_step *step, rudder_out *out);
+/* Are taken-back prompt bytes still to be written again (token healing)? */
+bool rudder_cx_healing(const rudder_cx *cx);
 
 /* Counters for benchmarks and logs: answers served from the cache, and computed. */
 void rudder_cx_stats(const rudder_cx *cx, uint32_t *hits, uint32_t *misses);

@@ -69,12 +69,13 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class LiveServer:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, llm=None):
+        """`llm`: a ready LLM to serve instead of loading `config.model` (it stays the caller's)."""
         if config.state_dir is None:  # never the user's $RUDDER_HOME/server
             self._state = tempfile.TemporaryDirectory(prefix="rudder-state-")
             config.state_dir = self._state.name
         self.config = config
-        self.app = create_app(config)
+        self.app = create_app(config, llm)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -45,6 +45,9 @@ SPEC_K = typer.Option(8, "--spec-k", min=1, max=32, help="Most draft tokens per 
 DRAFT_MODEL = typer.Option("int8", "--draft-model",
                            help="The draft for --speculative draft: int8 (the model quantized), layers:N (its first N "
                                 "layers), or a checkpoint with the same vocabulary.")
+TOKEN_HEALING = typer.Option(False, "--token-healing",
+                             help="Take back the prompt's last token(s) and write them again first, in tokens of the "
+                                  "model's choice (a prompt ending mid-word or with a space); see docs/constraints.md.")
 # Structured output and logit processing (`generate`; `run` names its controller itself).
 JSON_SCHEMA = typer.Option(None, "--json-schema", help="The output is JSON valid against this JSON Schema (TEXT or @FILE).")
 REGEX = typer.Option(None, "--regex", help="The whole output matches this regular expression (TEXT or @FILE).")
@@ -232,13 +235,13 @@ def _stream(llm, prompt, params, chat, controller=None, arg="", trace: bool = Fa
 
 
 def _params(max_tokens, temperature, top_p, top_k, seed, stop, speculative=None, spec_k=8, structured=None,
-            penalties=None):
+            penalties=None, token_healing=False):
     """SamplingParams from the flags; the structured-output ones are checked by LLM."""
     from .engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p or 1.0, top_k=top_k,
-                          seed=seed, stop=stop, speculative=speculative, spec_k=spec_k, **(penalties or {}),
-                          **(structured or {}))
+                          seed=seed, stop=stop, speculative=speculative, spec_k=spec_k, token_healing=token_healing,
+                          **(penalties or {}), **(structured or {}))
 
 
 def _structured(json_schema: str | None, regex: str | None, choice: list[str], grammar: str | None,
@@ -314,7 +317,7 @@ def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKE
              grammar: Optional[str] = GRAMMAR, structural_tag: Optional[str] = STRUCTURAL_TAG,
              json_undeclared: Optional[str] = JSON_UNDECLARED, reasoning: bool = REASONING,
              thinking_budget: Optional[int] = THINKING_BUDGET, presence_penalty: float = PRESENCE,
-             frequency_penalty: float = FREQUENCY) -> None:
+             frequency_penalty: float = FREQUENCY, token_healing: bool = TOKEN_HEALING) -> None:
     """Generate text for PROMPT, streamed to standard output (--json-schema, --regex, --choice,
     --grammar or --structural-tag constrain it)."""
     try:
@@ -323,7 +326,7 @@ def generate(prompt: str = PROMPT, chat: bool = CHAT, max_tokens: int = MAX_TOKE
     except ValueError as e:
         _fail(str(e))
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                    speculative=speculative, spec_k=spec_k, structured=structured,
+                    speculative=speculative, spec_k=spec_k, structured=structured, token_healing=token_healing,
                     penalties=dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty))
     _generate(prompt, sampling, chat, model, device, pipeline_stages, draft_model=draft_model, dtype=dtype)
 
@@ -344,10 +347,11 @@ def run(prompt: str = PROMPT,
         speculative: Optional[str] = SPECULATIVE, spec_k: int = SPEC_K, draft_model: str = DRAFT_MODEL,
         trust_module: bool = typer.Option(False, "--trust-module",
                                           help="Compile the .wasm without the compile limits (sizes, the compile's "
-                                               "memory and CPU time; docs/abi.md): for a module you trust.")) -> None:
+                                               "memory and CPU time; docs/abi.md): for a module you trust."),
+        token_healing: bool = TOKEN_HEALING) -> None:
     """Generate text for PROMPT under a Wasm controller; every fork's text is shown."""
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                    speculative=speculative, spec_k=spec_k)
+                    speculative=speculative, spec_k=spec_k, token_healing=token_healing)
     _generate(prompt, sampling, chat, model, device, pipeline_stages, controller, arg, limit, log, draft_model, trace,
               dtype, trust_module)
 

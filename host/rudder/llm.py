@@ -18,6 +18,7 @@ import torch
 
 from .engine import Completion, Controller, Delta, Engine, EngineConfig, SamplingParams
 from .engine.output import HeldStream
+from .healing import check_chat, check_controller
 from .loading import load_model, load_tokenizer
 from .precision import resolve
 from .reasoning import Reasoning, ReasoningSplitter, split
@@ -132,6 +133,10 @@ class LLM:
             if controller is not None:
                 raise ValueError(f"{constraint.source} and controller: give one of them")
             controller, controller_arg = constraint.controller, constraint.arg
+        if params.token_healing and controller is not None and not hasattr(controller, "mid_process"):
+            # (a started one is checked by the engine; none: `heal`, see _healer)
+            check_controller(controller, "reasoning" if params.reasoning not in (None, False)
+                             else constraint.source if constraint is not None else None)
         params = dataclasses.replace(params, json_schema=None, regex=None, choice=None, grammar=None,
                                      structural_tag=None, json_undeclared=None, reasoning=None)
         return self.check_params(params.validate()), controller, controller_arg
@@ -165,6 +170,8 @@ class LLM:
         if not len(params_list) == len(prompts):
             raise ValueError("prompts and params must have the same length")
         thinking = [Reasoning.of(p.reasoning) for p in params_list]
+        for p, sp in zip(prompts, params_list):
+            check_chat(sp, chat or not isinstance(p, str) and bool(p) and isinstance(p[0], dict))
         if controllers is not None and controller is not None:
             raise ValueError("pass either controller or controllers, not both")
         steered = [self.steer(p, controller, controller_arg) for p in params_list]
@@ -176,6 +183,7 @@ class LLM:
             ctls = []
             try:
                 for p, name, arg in steered:
+                    _, name, arg = _healer(p, name, arg)
                     ctls.append(None if name is None else self.start_controller(name, arg, controller_limits, p.seed))
             except BaseException:
                 for c in ctls:
@@ -222,7 +230,8 @@ class LLM:
         path or wasm bytes (with `controller_arg`); or structured output in `params`. `trace`:
         each branch's last delta carries the Branch records applied to it (see `generate`)."""
         reasoning = Reasoning.of((params or SamplingParams()).reasoning)
-        params, controller, controller_arg = self.steer(params, controller, controller_arg)
+        check_chat(params, chat or not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict))
+        params, controller, controller_arg = _healer(*self.steer(params, controller, controller_arg))
         if controller is not None and not hasattr(controller, "mid_process"):
             controller = self.start_controller(controller, controller_arg, controller_limits, params.seed)
         req = self.engine.add_request(self.prompt_text(prompt, chat), params, controller, trace=trace)
@@ -272,3 +281,10 @@ class _ThinkingStream:
         logprobs = [lp for lp in piece.logprobs if lp is not None]
         return dataclasses.replace(delta, text=answer, reasoning=thinking, token_ids=piece.token_ids,
                                    logprobs=logprobs, backtrack_chars=0, backtrack_tokens=0)
+
+
+def _healer(params: SamplingParams, controller, arg):
+    """Token healing goes through a controller: with no constraint, the built-in `heal`."""
+    if controller is None and params.token_healing:
+        return params, "heal", ""
+    return params, controller, arg

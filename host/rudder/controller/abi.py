@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 
 __all__ = ["ABI_VERSION", "IMPORT_MODULE", "IMPORTS", "FUNC_EXPORTS", "MEMORY_EXPORT", "CONFIG_ABI_VERSION",
-           "CONFIG_MAX_FORKS", "CONFIG_MAX_FF_TOKENS", "CONFIG_FLAGS", "FLAG_FORKS", "FLAG_BACKTRACK",
+           "CONFIG_MAX_FORKS", "CONFIG_MAX_FF_TOKENS", "CONFIG_FLAGS", "CONFIG_HEAL", "FLAG_FORKS", "FLAG_BACKTRACK",
            "RESULT", "BRANCH", "TOKENS", "TOKEN_TABLE_MAGIC", "TOKEN_TABLE_HEADER_WORDS"]
 
 ABI_VERSION = 1
@@ -40,6 +40,8 @@ FUNC_EXPORTS: dict[str, tuple[int, int]] = {
 
 # Keys of the `config` import, and the bits of its flags word.
 CONFIG_ABI_VERSION, CONFIG_MAX_FORKS, CONFIG_MAX_FF_TOKENS, CONFIG_FLAGS = 0, 1, 2, 3
+# The prompt tokens the controller's first answer takes back (token healing; 0: none).
+CONFIG_HEAL = 4
 FLAG_FORKS, FLAG_BACKTRACK = 1, 2
 
 # Records read out of guest memory (all fields u32, little-endian).

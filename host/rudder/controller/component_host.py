@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from .abi import ABI_VERSION, CONFIG_ABI_VERSION, CONFIG_FLAGS, CONFIG_MAX_FF_TOKENS, CONFIG_MAX_FORKS, \
+from .abi import ABI_VERSION, CONFIG_ABI_VERSION, CONFIG_FLAGS, CONFIG_HEAL, CONFIG_MAX_FF_TOKENS, CONFIG_MAX_FORKS, \
     FLAG_BACKTRACK, FLAG_FORKS
 from .component_capi import KIND, ffi, lib
 from .host_api import LOG_TRUNCATED, TOKENIZE_BYTES_SETUP, RequestContext
@@ -189,7 +189,8 @@ def _config(st, args, res):
     lim = st.limits
     value = {CONFIG_ABI_VERSION: ABI_VERSION, CONFIG_MAX_FORKS: lim.max_forks, CONFIG_MAX_FF_TOKENS: lim.max_ff_tokens,
              CONFIG_FLAGS: (FLAG_FORKS if lim.max_forks > 1 else 0)
-             | (FLAG_BACKTRACK if st.runtime.backtrack_allowed else 0)}.get(key, -1)
+             | (FLAG_BACKTRACK if st.runtime.backtrack_allowed else 0),
+             CONFIG_HEAL: st.request.heal if st.request is not None else 0}.get(key, -1)
     res[0].kind = KIND["S32"]
     res[0].of.s32 = value
 

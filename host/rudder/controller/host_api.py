@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import wasmtime
 
-from .abi import (ABI_VERSION, CONFIG_ABI_VERSION, CONFIG_FLAGS, CONFIG_MAX_FF_TOKENS, CONFIG_MAX_FORKS,
+from .abi import (ABI_VERSION, CONFIG_ABI_VERSION, CONFIG_FLAGS, CONFIG_HEAL, CONFIG_MAX_FF_TOKENS, CONFIG_MAX_FORKS,
                   FLAG_BACKTRACK, FLAG_FORKS, IMPORT_MODULE, IMPORTS)
 from .fastcall import EXTERN_MEMORY, ffi, lib, addr
 from .limits import Limits
@@ -46,6 +46,7 @@ class RequestContext:
         self.log = bytearray()
         self.log_truncated = False
         self.live = 0
+        self.heal = 0  # prompt tokens its first answer takes back (token healing: rudder/healing.py)
         self.lock = threading.Lock()
 
     def append_log(self, data: bytes | memoryview) -> None:
@@ -169,6 +170,8 @@ def _config(state, caller, ctx, vals):
     if key == CONFIG_FLAGS:
         forks = limits.max_forks > 1
         return (FLAG_FORKS if forks else 0) | (FLAG_BACKTRACK if state.runtime.backtrack_allowed else 0)
+    if key == CONFIG_HEAL:
+        return state.request.heal if state.request is not None else 0
     return -1
 
 

@@ -140,12 +140,20 @@ class Steering:
         """Backtrack and fast-forward; True when the sequence samples from this step's logits."""
         check(branch, len(seq))
         n, appends = branch.backtrack, branch.appends
+        if seq.heal:  # token healing: the first answer takes back the prompt tokens the host named
+            if n != seq.heal:
+                raise InvalidBranch(f"token healing: the first answer must take back the prompt's last {seq.heal} "
+                                    f"tokens; it took back {n} (only the built-in constraint controllers and "
+                                    "`heal` heal)")
+            seq.heal = 0
         if n:
             deltas.append(self.backtrack(seq, n))
             if not appends:
                 # Stale logits: drop one more position and re-feed it, then sample (docs/abi.md).
-                self.rewind(seq, 1)
-                seq.request.work += 1
+                # Before the prefill there are none: the prefill computes the logits.
+                if seq.num_cached:
+                    self.rewind(seq, 1)
+                    seq.request.work += 1
                 if branch.samples:
                     seq.cursor.defer(branch)
                 return False
@@ -216,15 +224,18 @@ class Steering:
         return delta
 
     def backtrack(self, seq: Sequence, n: int) -> Delta:
-        """Remove the last n tokens: from the sequence, its KV positions, its logprobs and its text."""
+        """Remove the last n tokens: from the sequence, its KV positions, its logprobs and its text
+        (the delta counts the output tokens among them: a backtrack may reach into the prompt)."""
+        shown = min(n, seq.num_output)
         del seq.token_ids[len(seq.token_ids) - n:]
-        self.rewind(seq, n)
+        if seq.num_cached:  # (a sequence waiting for its prefill holds no KV positions yet)
+            self.rewind(seq, n)
         seq.num_prompt = min(seq.num_prompt, len(seq.token_ids))
         if seq.cursor is not None:
             seq.cursor.on_backtrack(n)
         del seq.logprobs[max(0, len(seq.logprobs) - n):]
         chars = seq.output.pop(n)
-        return Delta(seq.request_id, seq.branch, "", [], backtrack_chars=chars, backtrack_tokens=n)
+        return Delta(seq.request_id, seq.branch, "", [], backtrack_chars=chars, backtrack_tokens=shown)
 
     def rewind(self, seq: Sequence, n: int) -> None:
         """Drop the KV positions of the last n fed tokens: taken back, or to be fed again."""

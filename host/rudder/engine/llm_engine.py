@@ -40,6 +40,7 @@ import torch
 
 from .. import kernels
 from ..controller.limits import Limits
+from ..healing import plan as plan_healing, tell as tell_healing
 from .block_manager import BlockManager
 from .budget import over_budget
 from .branching import Sample, Steering
@@ -167,6 +168,9 @@ class Engine:
 
                     self.spec = Speculator(self)
                 self.spec.check(params)  # a draft model that cannot be built refuses this request
+            healing = plan_healing(self.tokenizer, prompt_ids) if params.token_healing else None
+            if healing is not None:
+                tell_healing(controller, healing)
         except BaseException:
             if controller is not None:
                 controller.close()
@@ -176,7 +180,8 @@ class Engine:
         if trace:
             req.trace = []
         seq = Sequence(prompt_ids, params, np.random.default_rng(params.seed), req)
-        seq.output = TextOutput(self.tokenizer, params.stop)
+        seq.output = TextOutput(self.tokenizer, params.stop, healing.text if healing else "")
+        seq.heal = healing.tokens if healing else 0
         req.seqs.append(seq)
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
@@ -244,7 +249,8 @@ class Engine:
     def _take_first_answers(self, deltas: list[Delta]) -> None:
         """Sequences still to be prefilled whose controller's first answer came (within
         FIRST_ANSWER_WAIT of the request's arrival) and needs no logits - a pure fast-forward, a
-        stop, a failure - take it now; the fast-forward is then prefilled with the prompt. Other
+        stop, a failure, a backtrack - take it now; the fast-forward is then prefilled with the
+        prompt, and a backtrack's sample (token healing) waits for the shorter prompt's prefill. Other
         answers wait for the prefill step, which takes the call as its own. (A slow first call
         holds up the steps once, for FIRST_ANSWER_WAIT at most, however long it stays queued.)"""
         started = [s for s in self.scheduler.waiting if s.cursor is not None and s.cursor.started is not None]
@@ -260,7 +266,8 @@ class Engine:
             if not call.done():
                 continue
             answer, secs = call.result()
-            if isinstance(answer, list) and answer and (len(answer) > 1 or answer[0].samples or answer[0].backtrack):
+            if isinstance(answer, list) and answer and (len(answer) > 1
+                                                        or answer[0].samples and not answer[0].backtrack):
                 continue  # it needs the prompt's logits
             seq.cursor.started = None
             seq.request.usage.controller_s += secs

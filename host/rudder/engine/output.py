@@ -67,19 +67,30 @@ class TextOutput:
     """Text bookkeeping for one sequence: detokenization, stop strings, backtracking.
 
     Text that could still turn out to begin a stop string is held back from the stream until it
-    is decided, so a client never sees text that is later cut."""
+    is decided, so a client never sees text that is later cut. With token healing the output
+    first writes `healed` (the prompt text taken back) again: that is never shown, and stop
+    strings look at what follows it."""
 
-    def __init__(self, tokenizer: "Tokenizer", stop: list[str]):
+    def __init__(self, tokenizer: "Tokenizer", stop: list[str], healed: str = ""):
         self.tokenizer = tokenizer
         self.decoder = tokenizer.stream_decoder()
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.healed = healed
+        self.unhealed = healed  # the part of it not written again yet
+
+    def _after_healed(self, text: str) -> str:
+        """Decoded text without the part that writes the healed text again."""
+        k = min(len(text), len(self.unhealed))
+        self.unhealed = self.unhealed[k:]
+        return text[k:]
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Returns the new text that is safe to stream and whether a stop string was hit."""
-        self.text += self.decoder.push(token_ids)
+        text = self.decoder.push(token_ids)
+        self.text += self._after_healed(text) if self.unhealed else text
         if self.stop:
             start = max(0, self.emitted - self.hold)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
@@ -91,7 +102,11 @@ class TextOutput:
     def pop(self, n_tokens: int) -> int:
         """Forget the last output tokens; returns how many streamed characters to delete."""
         removed = self.decoder.pop(min(n_tokens, len(self.decoder)))
-        self.text = self.text[: len(self.text) - removed]
+        cut = min(removed, len(self.text))
+        self.text = self.text[: len(self.text) - cut]
+        if removed > cut:  # into the healed text: it is to be written again
+            written = len(self.healed) - len(self.unhealed)
+            self.unhealed = self.healed[written - (removed - cut):]
         unsent = max(0, self.emitted - len(self.text))
         self.emitted -= unsent
         return unsent
@@ -102,8 +117,8 @@ class TextOutput:
 
     def fork(self, output_ids: list[int]) -> "TextOutput":
         """A copy for a forked sequence; its first delta carries the whole text so far."""
-        twin = TextOutput(self.tokenizer, self.stop)
-        twin.text = twin.decoder.push(output_ids)
+        twin = TextOutput(self.tokenizer, self.stop, self.healed)
+        twin.text = twin._after_healed(twin.decoder.push(output_ids))
         return twin
 
     def _take(self, upto: int) -> str:

@@ -47,6 +47,9 @@ class SamplingParams:
     # Thinking before the answer (reasoning.py): True, {"start", "end", "budget"} or a Reasoning;
     # the constraint applies after the thinking, which comes back apart (Completion.reasoning).
     reasoning: object = None
+    # Take back the prompt's last token(s) and write their text again first, in tokens of the
+    # model's choice; the output shown starts after it (rudder/healing.py).
+    token_healing: bool = False
 
     def validate(self) -> "SamplingParams":
         if self.max_tokens < 1:
@@ -65,6 +68,9 @@ class SamplingParams:
             raise ValueError("spec_k must be between 1 and 32")
         if self.speculative is not None and self.logprobs is not None:
             raise ValueError("logprobs are not available with speculative decoding")
+        if self.token_healing and self.logprobs is not None:
+            raise ValueError("token_healing: logprobs are not available with it (the first token spans the end of "
+                             "the prompt)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -177,6 +183,7 @@ class Sequence:
         self.cursor: "ControllerCursor | None" = None  # its controller, and what it has been told
         self.draft = None  # speculative.Draft | None: draft tokens this step verifies
         self.steps = 0  # steps that computed its next-token logits
+        self.heal = 0  # token healing: the prompt tokens its controller's first answer must take back
 
     @property
     def request_id(self) -> int:

@@ -26,9 +26,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ..engine.output import BacktrackTooFar, HeldStream, Piece
+from ..healing import check_controller
 from ..reasoning import Reasoning, ReasoningSplitter, split
 from .auth import ANONYMOUS
-from .dialects import steer_of
+from .dialects import Steer, steer_of
 from .errors import APIError, unsupported
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, event_stream, sse
@@ -68,6 +69,9 @@ class _Shape:
 async def _chat(svc: Service, body: ChatRequest, request: Request):
     body.refuse_unsupported()
     svc.check_model(body.model)
+    if body.token_healing:
+        raise APIError("invalid_request", "token_healing applies to /v1/completions: a chat prompt ends with the chat "
+                       "template's assistant header, not with text to heal", param="token_healing")
     reasoning = svc.config.reasoning
     plan = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, undeclared=body.json_undeclared,
                        reasoning=reasoning is not None)
@@ -104,17 +108,32 @@ async def _completions(svc: Service, body: CompletionRequest, request: Request):
     if body.thinking_token_budget is not None:
         raise APIError("invalid_request", "thinking_token_budget applies to /v1/chat/completions",
                        param="thinking_token_budget")
-    steer = steer_of(body)
+    steer = _healing(body, steer_of(body)) if body.token_healing else steer_of(body)
     specs, echo = [], []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         ids = svc.encode(p, param)
-        specs.append((ids, svc.sampling(body, body.max_tokens, len(ids), param, logprobs=body.logprobs)))
+        specs.append((ids, svc.sampling(body, body.max_tokens, len(ids), param, logprobs=body.logprobs,
+                                        token_healing=body.token_healing)))
         echo.append((p if isinstance(p, str) else svc.tokenizer.decode(ids)) if body.echo else "")
     shape = _Shape(False, body.n, None, body.logprobs, _raw(body, None), echo if body.echo else None,
                    trace=_trace(body, steer))
     jobs = await svc.start_all(specs, steer, _who(request), shape.trace)
     return await _respond(svc, jobs, body, shape, "cmpl")
+
+
+def _healing(body: CompletionRequest, steer: Steer | None) -> Steer:
+    """A token-healing request's controller: its constraint's built-in, or `heal` alone."""
+    if steer is None:
+        return Steer("heal", param="token_healing", max_backtrack=0)
+    if steer.param == "n":
+        raise APIError("invalid_request", "token_healing with n > 1 is not supported (n forks one request with the "
+                       "fork controller, which does not heal): send n requests", param="token_healing")
+    try:
+        check_controller(steer.controller, f"{steer.param} ({steer.controller!r})")
+    except ValueError as e:
+        raise APIError("invalid_request", str(e), param="token_healing") from None
+    return steer
 
 
 def _who(request: Request):

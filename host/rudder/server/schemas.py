@@ -192,6 +192,7 @@ class _OpenAIBody(Sampling):
     json_undeclared: Optional[Literal["forbid", "allow"]] = None
     thinking_token_budget: Optional[int] = Field(None, ge=0)  # vLLM: the thinking's most tokens
     rudder: Optional[RudderExtension] = None
+    token_healing: bool = False          # completions: take back the prompt's end, write it again (healing.py)
     user: Optional[str] = None           # logged with the request
     request_id: Optional[str] = None     # vLLM: the response's id
     # declared so refuse_unsupported can name them (see UNSUPPORTED)
