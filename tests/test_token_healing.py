@@ -414,11 +414,13 @@ def test_completions_refuse_what_healing_cannot_do(server, extra, words):
     assert error["param"] == "token_healing" and words in error["message"], error
 
 
-def test_chat_refuses_token_healing(server):
+def test_chat_and_run_refuse_token_healing(server):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "token_healing": True}
     with server.client() as c:
         r = c.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing", r.text
+        r = c.post("/v1/run", json={**body, "controller": "fork", "controller_arg": "2"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing", r.text
 
 
 # ---------------------------------------------------------------------------- SmolLM2

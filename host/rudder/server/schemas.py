@@ -86,6 +86,14 @@ class RunRequest(Sampling):
     # AICI's stream (an "initial-run" event, "run" events with forks, then [DONE]); by default
     # when the request has neither prompt nor messages, as AICI clients send.
     aici: Optional[bool] = None
+    token_healing: Optional[bool] = None  # declared to be refused: the controller here is the client's own
+
+    @field_validator("token_healing")
+    @classmethod
+    def _no_healing(cls, v):
+        if v:
+            raise ValueError("applies to /v1/completions (a controller of your own here decides the tokens)")
+        return v
     trace: Union[bool, TraceOptions] = False
 
     @property
