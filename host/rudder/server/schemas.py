@@ -87,6 +87,7 @@ class RunRequest(Sampling):
     # when the request has neither prompt nor messages, as AICI clients send.
     aici: Optional[bool] = None
     token_healing: Optional[bool] = None  # declared to be refused: the controller here is the client's own
+    trace: Union[bool, TraceOptions] = False
 
     @field_validator("token_healing")
     @classmethod
@@ -94,7 +95,6 @@ class RunRequest(Sampling):
         if v:
             raise ValueError("applies to /v1/completions (a controller of your own here decides the tokens)")
         return v
-    trace: Union[bool, TraceOptions] = False
 
     @property
     def arg(self) -> str:
