@@ -5,9 +5,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 JS_STAMP := node_modules/.installed-stamp
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test setup bench clean browser
 
-setup: $(STAMP) $(JS_STAMP)
+setup: $(STAMP) $(JS_STAMP) browser
+
+# The web page's tests drive Debian's Chromium (tests/test_web.py); apt installs it when missing.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else \
+		echo "make setup: Chromium is missing (tests/test_web.py needs it): run 'sudo apt-get install -y chromium chromium-driver'" >&2; \
+		exit 1; \
+	fi
 
 # torch is pinned to the local CPU build (constraints.txt) so no multi-GB CUDA build is pulled.
 $(STAMP): pyproject.toml constraints.txt

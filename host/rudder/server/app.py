@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from ..engine.output import BacktrackTooFar, HeldStream
-from . import openai_api
+from . import openai_api, web
 from .auth import ANONYMOUS, AuthMiddleware, Principal
 from .config import ServerConfig
 from .dialects import Steer
@@ -76,6 +76,7 @@ def create_app(config: ServerConfig | None = None, llm=None) -> FastAPI:
     app.add_middleware(_CountRequests)  # outermost: 401s are counted too
     _routes(app, config)
     openai_api.add_routes(app)
+    web.add_routes(app)
     return app
 
 
