@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 JS_STAMP := node_modules/.installed-stamp
 
-.PHONY: demo test setup bench clean browser
+.PHONY: demo test setup bench clean browser postgres
 
-setup: $(STAMP) $(JS_STAMP) browser
+setup: $(STAMP) $(JS_STAMP) browser postgres
 
 # The web page's tests drive Debian's Chromium (tests/test_web.py); apt installs it when missing.
 browser:
@@ -19,12 +19,23 @@ browser:
 		exit 1; \
 	fi
 
+# The registry's PostgreSQL tests start a throwaway cluster of Debian's PostgreSQL
+# (tests/pg_util.py; tests/test_store_postgres.py, tests/test_hosts.py); apt installs it when missing.
+postgres:
+	@if command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
+	else \
+		echo "make setup: PostgreSQL is missing (tests/test_store_postgres.py needs it): run 'sudo apt-get install -y postgresql'" >&2; \
+		exit 1; \
+	fi
+
 # torch is pinned to the local CPU build (constraints.txt) so no multi-GB CUDA build is pulled.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,ref,components]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,ref,components,postgres]"
 	touch $(STAMP)
 
 # JavaScript controllers: componentize-js into the project's own node_modules (package.json).

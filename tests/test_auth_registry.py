@@ -205,13 +205,14 @@ def test_upload_and_tag_survive_sigkill(tmp_path):
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
-def _uploads_killed_at_random(state, seed: int, kills: int, first: int) -> dict:
-    """`kills` times: start a server on `state`, upload (and tag) modules as fast as it takes
-    them, SIGKILL it at a random moment. What was acknowledged and what was attempted."""
+def _uploads_killed_at_random(store: list[str], seed: int, kills: int, first: int) -> dict:
+    """`kills` times: start a server on `store` (its --state-dir or --state-url), upload (and tag)
+    modules as fast as it takes them, SIGKILL it at a random moment. What was acknowledged and
+    what was attempted (tests/test_store_postgres.py runs it on PostgreSQL)."""
     rng = random.Random(seed)
     seen = {"modules": {}, "tags": {}, "attempted": set(), "rng": rng}
     counter = iter(range(first, first + 10 ** 6))
-    server = ServeProcess("--state-dir", str(state), "--max-modules", "100000", model="tiny:1", forked=True)
+    server = ServeProcess(*store, "--max-modules", "100000", model="tiny:1", forked=True)
     for _ in range(kills):
         server.start()
         stop = threading.Event()
@@ -256,7 +257,8 @@ def test_sigkill_during_uploads_never_loses_or_invents_a_module(tmp_path):
 
     states = [tmp_path / "state-a", tmp_path / "state-b"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda k: _uploads_killed_at_random(states[k], 22 + k, 10, 10 ** 7 * k), range(2)))
+        runs = list(pool.map(lambda k: _uploads_killed_at_random(["--state-dir", str(states[k])], 22 + k, 10,
+                                                                  10 ** 7 * k), range(2)))
     runtime = ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False)
     try:
         for state, seen in zip(states, runs):

@@ -379,6 +379,10 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           state_dir: Optional[Path] = typer.Option(None, "--state-dir",
                                                    help="The durable registry (modules, tags); replicas on one host "
                                                         "may share it. Default: $RUDDER_HOME/server."),
+          state_url: Optional[str] = typer.Option(None, "--state-url", envvar="RUDDER_STATE_URL",
+                                                  help="The registry and API keys on PostgreSQL "
+                                                       "(postgresql://user@host:port/db), shared by replicas on any "
+                                                       "host; instead of --state-dir. See docs/deploy.md."),
           tenant_max_concurrent: Optional[int] = typer.Option(None, "--tenant-max-concurrent", min=1,
                                                               help="One tenant's requests, running and queued; past "
                                                                    "that its requests get 429."),
@@ -446,7 +450,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
                               max_upload_bytes=int(max_upload_mb * (1 << 20)),
                               controller_limits=_read_limits(list(limit)) or {}, api_keys=keys,
-                              public_metrics=public_metrics, state_dir=state_dir,
+                              public_metrics=public_metrics, state_dir=state_dir, state_url=state_url,
                               tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
                               max_modules=max_modules, max_compiles=max_compiles,
                               compile_wait_s=compile_wait_s, compile_memory_mb=compile_memory_mb,
@@ -461,7 +465,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
         from .controller import Limits
 
         Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
-        config.state_path.mkdir(parents=True, exist_ok=True)  # an unusable --state-dir fails here too
+        _check_state(config)  # an unusable --state-dir or --state-url fails here, in one line
         # The model (and its pipeline stages) is up before the port is bound: a bad model or layout
         # is a one-line error, and under torchrun the ranks > 0 serve their stage here and exit.
         llm = LLM(model, controller_limits=config.controller_limits or None, **config.engine_options)
@@ -471,6 +475,31 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
         uvicorn.run(create_app(config, llm), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         llm.close()
+
+
+def _check_state(config) -> None:
+    if config.state_url is None:
+        config.state_path.mkdir(parents=True, exist_ok=True)
+        return
+    if config.state_dir is not None:
+        raise ValueError("give --state-dir or --state-url, not both")
+    _open_database(config.state_url).close()  # reachable, and its schema created or migrated
+
+
+def _open_database(url: str):
+    """The PostgreSQL store at `url`, or a one-line ValueError."""
+    from .server.errors import APIError
+
+    try:
+        from .server.postgres_store import PostgresStore
+    except ImportError as e:
+        raise ValueError(f"--state-url needs psycopg ({e}): pip install 'rudder[postgres]'") from None
+    try:
+        return PostgresStore(url, max_connections=2, listen=False)
+    except APIError as e:  # StoreUnavailable
+        from .server.postgres_store import redact
+
+        raise ValueError(f"--state-url {redact(url)}: {e}") from None
 
 
 def _reasoning(parser: str | None, start: str, end: str):
@@ -515,6 +544,81 @@ def build(sources: list[Path] = typer.Argument(..., help="C source files of the 
     except (BuildError, OSError) as e:
         _fail(e.summary if isinstance(e, BuildError) and scripts else str(e))
     typer.echo(f"{out} ({out.stat().st_size} bytes)")
+
+
+# -- `rudder keys`: API keys in the database that `rudder serve --state-url` replicas share --------
+
+keys_app = typer.Typer(help="API keys in the registry's database (--state-url): every replica on it accepts them, "
+                            "and refuses a revoked one within a second.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+STATE_URL = typer.Option(..., "--state-url", envvar="RUDDER_STATE_URL",
+                         help="The database, as for `rudder serve --state-url` (or RUDDER_STATE_URL).")
+
+
+def _with_database(url: str, action):
+    """`action(store)` on the database; its refusals (and a lost database) in one line."""
+    from .server.errors import APIError
+
+    try:
+        store = _open_database(url)
+    except ValueError as e:
+        _fail(str(e))
+    try:
+        return action(store)
+    except (ValueError, APIError) as e:  # APIError: StoreUnavailable, the database went away meanwhile
+        _fail(str(e))
+    finally:
+        store.close()
+
+
+@keys_app.command("add")
+def keys_add(tenant: str = typer.Option(..., "--tenant", help="The tenant the key acts for."),
+             role: str = typer.Option("user", "--role", help="user, or admin (may move any tag, remove modules)."),
+             name: str = typer.Option("", "--name", help="A note to recognise the key by in `rudder keys list`."),
+             key: Optional[str] = typer.Option(None, "--key", help="The key itself (default: a new random one, "
+                                               "printed once: only its sha256 is stored)."),
+             state_url: str = STATE_URL) -> None:
+    """Add an API key; prints the key (once) and its id."""
+    import secrets
+
+    from .server.auth import ROLES
+
+    if role not in ROLES:
+        _fail(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
+    if not tenant.strip() or (key is not None and not key.strip()):
+        _fail("--tenant and --key must not be empty")
+    new = key or "rk-" + secrets.token_urlsafe(24)
+    key_id = _with_database(state_url, lambda store: store.add_key(new, role, tenant, name))
+    typer.echo(f"{new}\t{key_id}" if key is None else key_id)
+
+
+@keys_app.command("list")
+def keys_list(state_url: str = STATE_URL,
+              all_keys: bool = typer.Option(False, "--all", help="Revoked keys too.")) -> None:
+    """The keys' ids, roles, tenants and names (never the keys)."""
+    import datetime
+
+    def when(t):
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    for k in _with_database(state_url, lambda store: store.keys()):
+        if k["revoked_at"] is None or all_keys:
+            revoked = f"revoked {when(k['revoked_at'])}" if k["revoked_at"] is not None else "active"
+            typer.echo(f"{k['key_id']}  {k['role']:5}  {k['tenant']}  {when(k['created_at'])}  {revoked}"
+                       f"{'  ' + k['name'] if k['name'] else ''}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str = typer.Argument(..., help="The key's id (from `rudder keys list`)."),
+                state_url: str = STATE_URL) -> None:
+    """Revoke a key: every replica refuses it from within a second on."""
+    def revoke(store):
+        try:
+            return store.revoke_key(key_id)
+        except KeyError:
+            raise ValueError(f"no key with id {key_id!r} (`rudder keys list` shows them)") from None
+
+    typer.echo(f"revoked {key_id}" if _with_database(state_url, revoke) else f"{key_id} was already revoked")
 
 
 @app.command("fetch-model")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections import deque
 
 import torch
@@ -33,10 +34,31 @@ def process_group(store: dist.Store, rank: int, world: int, timeout: float, host
     several pipelines one after the other."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout)
-    device = (dist.ProcessGroupGloo.create_device(hostname=host) if host
-              else dist.ProcessGroupGloo.create_default_device())
-    opts._devices = [device]
+    opts._devices = [_gloo_device(host)]
     return dist.ProcessGroupGloo(dist.PrefixStore("rudder-pipeline", store), rank, world, opts)
+
+
+def _gloo_device(host: str | None):
+    """Where this rank's gloo connections live: `host`; else the interface GLOO_SOCKET_IFNAME
+    names (as torch's own groups take it); else, under torchrun, the local address that routes to
+    MASTER_ADDR, the one the other hosts can reach (the default device resolves the hostname,
+    which is loopback on many hosts)."""
+    if host:
+        return dist.ProcessGroupGloo.create_device(hostname=host)
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0])
+    if torchrun_env() is not None:
+        return dist.ProcessGroupGloo.create_device(hostname=_address_towards(os.environ["MASTER_ADDR"]))
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def _address_towards(peer: str) -> str:
+    """This host's address on the route to `peer` (a UDP connect sends nothing)."""
+    family, kind, _, _, address = socket.getaddrinfo(peer, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as s:
+        s.connect(address)
+        return s.getsockname()[0]
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:

@@ -28,7 +28,7 @@ from .metrics import Metrics
 from .registry import Registry
 from .schemas import RunRequest, TagRequest
 from .service import ClientGone, Service, event_stream, sse
-from .store import LocalStore
+from .store import open_store
 
 log = logging.getLogger("rudder.server")
 
@@ -48,7 +48,7 @@ def create_app(config: ServerConfig | None = None, llm=None) -> FastAPI:
         metrics = Metrics(config.served_name)
         model.runtime.compiler.configure(max_compiles=config.max_compiles, wait_s=config.compile_wait_s,
                                          memory_bytes=config.compile_memory_mb << 20)
-        store = await asyncio.to_thread(LocalStore, config.state_path)
+        store = await asyncio.to_thread(open_store, config)  # with --state-url, the database's keys join config's
         registry = Registry(model.runtime, store, config.max_modules, config.tenant_max_modules,
                             config.max_loaded_modules)
         await asyncio.to_thread(registry.add_builtins, BUILTIN_CONTROLLERS)
@@ -61,7 +61,7 @@ def create_app(config: ServerConfig | None = None, llm=None) -> FastAPI:
         else:
             log.info("%d API key(s): /v1 routes%s need one", len(config.api_keys),
                      "" if config.public_metrics else " and /metrics")
-        log.info("registry state in %s", config.state_path)
+        log.info("registry state in %s", config.state_where)
         try:
             yield
         finally:

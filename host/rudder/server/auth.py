@@ -2,13 +2,16 @@
 
 Each key belongs to a tenant and has a role: `admin` (may move or delete any tag, remove unused
 modules) or `user`. Keys come from `--api-key KEY` (repeatable; admins of tenant "default"),
-`RUDDER_API_KEY` (the same), and `--api-keys-file`, one `KEY ROLE TENANT` per line. With keys,
+`RUDDER_API_KEY` (the same), `--api-keys-file`, one `KEY ROLE TENANT` per line, and with
+`--state-url` the database (`rudder keys add/list/revoke`), reloaded whenever any replica changes
+them. With keys,
 every `/v1/*` route (and `/metrics`, unless `--public-metrics`) needs `Authorization: Bearer KEY`
 (or `api-key: KEY`, as Azure's and AICI's clients send); a missing or wrong key is a 401. Without
 keys every request is the one admin tenant "anonymous" (the server says so at start-up).
 
 Keys are compared as sha256 digests with `hmac.compare_digest`, against every configured key
-(no early exit), and are never logged.
+(no early exit), and are never logged. Once a server has had a key it requires one for good: the
+database's last key revoked leaves every key refused, not the server open.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ANONYMOUS", "AuthMiddleware", "KeyRing", "Principal", "ROLES"]
 
 ROLES = ("admin", "user")
+log = logging.getLogger("rudder.server")
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class Principal:
 ANONYMOUS = Principal("anonymous", "admin")  # a server without keys: as before keys existed
 
 
-def _digest(key: str) -> bytes:
+def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
@@ -52,13 +57,22 @@ class KeyRing:
                 raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
             if not key or not tenant:
                 raise ValueError("a key and a tenant must not be empty")
-            self._entries.append((_digest(key), Principal(tenant, role)))
+            self._entries.append((digest(key), Principal(tenant, role)))
+        self._stored: tuple = ()  # the database's keys, replaced whole on every change
+        self._required = bool(self._entries)
+
+    def use_stored(self, keys: list[tuple[bytes, str, str]]) -> None:
+        """The database's active keys: (sha256 digest, role, tenant)."""
+        self._stored = tuple((d, Principal(tenant, role)) for d, role, tenant in keys)
+        if self._stored and not self._required:
+            self._required = True
+            log.info("API keys in the database: /v1 routes need one from now on")
 
     def __bool__(self) -> bool:
-        return bool(self._entries)
+        return self._required
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._stored)
 
     @classmethod
     def from_sources(cls, keys: list[str] = (), keys_file: str | Path | None = None) -> "KeyRing":
@@ -72,10 +86,10 @@ class KeyRing:
         """The principal of a presented key, or None. Constant time in the key's content."""
         if not presented:
             return None
-        digest = _digest(presented)
+        wanted = digest(presented)
         found = None
-        for stored, principal in self._entries:  # every entry, whatever matched earlier
-            if hmac.compare_digest(stored, digest):
+        for stored, principal in (*self._entries, *self._stored):  # every entry, whatever matched earlier
+            if hmac.compare_digest(stored, wanted):
                 found = principal
         return found
 

@@ -27,6 +27,7 @@ class ServerConfig:
     api_keys: KeyRing = field(default_factory=KeyRing)     # none: no authentication (said at start-up)
     public_metrics: bool = False       # /metrics without a key even when keys are configured
     state_dir: str | Path | None = None  # the durable registry (default: $RUDDER_HOME/server)
+    state_url: str | None = None       # or the registry (and keys) on PostgreSQL, shared by replicas anywhere
     tenant_max_concurrent: int | None = None  # one tenant's requests, running and queued
     tenant_max_modules: int | None = None     # modules one tenant may upload
     max_compiles: int = 2              # modules compiled at once (each in a worker process); the rest wait
@@ -41,3 +42,12 @@ class ServerConfig:
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir) if self.state_dir is not None else rudder_home() / "server"
+
+    @property
+    def state_where(self) -> str:
+        """Where the registry lives, for logs (a URL without its password)."""
+        if self.state_url is None:
+            return str(self.state_path)
+        from .postgres_store import redact
+
+        return redact(self.state_url)

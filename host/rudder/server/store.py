@@ -5,9 +5,8 @@ owners, who uploaded what. Durable: an acknowledged upload or tag survives a res
 `RegistryStore` is the whole interface the registry needs. `LocalStore` implements it on one
 host: module bytes as files under `<state dir>/modules/`, written to a temporary file, fsynced,
 renamed and the folder fsynced before the call returns; tags, owners and metadata in SQLite
-(stdlib `sqlite3`, WAL mode, synchronous=FULL). A deployment over several hosts implements the
-same interface once more (e.g. PostgreSQL for the tables, an object store or a shared volume for
-the bytes): docs/server.md, "Several hosts".
+(stdlib `sqlite3`, WAL mode, synchronous=FULL). `PostgresStore` (postgres_store.py, `--state-url`)
+implements it for replicas on several hosts: docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -21,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["LocalStore", "RegistryStore", "TagOwned"]
+from .errors import APIError
+
+__all__ = ["LocalStore", "RegistryStore", "StoreUnavailable", "TagOwned", "open_store"]
 
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_S = 3600  # a temporary file this old belongs to no live upload (another replica's would be fresh)
@@ -33,6 +34,14 @@ class TagOwned(Exception):
     def __init__(self, owner: str):
         super().__init__(owner)
         self.owner = owner
+
+
+class StoreUnavailable(APIError):
+    """The store cannot be reached (its database is down or restarting): a 503 the client may
+    retry. Requests already running do not need the store."""
+
+    def __init__(self, message: str):
+        super().__init__("unavailable", message, code="registry_unavailable", headers={"Retry-After": "1"})
 
 
 class RegistryStore(Protocol):
@@ -70,6 +79,24 @@ class RegistryStore(Protocol):
         """False if absent; TagOwned as for set_tag."""
 
     def close(self) -> None: ...
+
+
+def open_store(config) -> RegistryStore:
+    """The store a ServerConfig names: PostgreSQL for `state_url` (its API keys joining
+    `config.api_keys`), else files + SQLite in the state directory."""
+    if config.state_url is None:
+        return LocalStore(config.state_path)
+    try:
+        from .postgres_store import PostgresStore
+    except ImportError as e:
+        raise ValueError(f"--state-url needs psycopg ({e}): pip install 'rudder[postgres]'") from None
+    store = PostgresStore(config.state_url)
+    try:
+        store.watch_keys(config.api_keys.use_stored)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 _SCHEMA = """
