@@ -408,12 +408,13 @@ class _Plan:
     `step()` schedules, then does what the engine does after the forward (cached, one sampled
     token), and returns {name: tokens fed} plus the names that could never fit."""
 
-    def __init__(self, num_blocks=64, block_size=4, max_batch_tokens=16, max_seqs=8):
+    def __init__(self, num_blocks=64, block_size=4, max_batch_tokens=16, max_seqs=8, budget=None,
+                 prefix_caching=False):
         from rudder.engine.block_manager import BlockManager
         from rudder.engine.scheduler import Scheduler
 
-        self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(self.bm, max_batch_tokens, max_seqs)
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.sched = Scheduler(self.bm, max_batch_tokens, max_seqs, budget)
         self.seqs = {}
 
     def add(self, name: int, prompt_len: int):
@@ -433,6 +434,7 @@ class _Plan:
             assert e.slots == [self.bm.slot(e.seq.seq_id, p) for p in range(e.seq.num_cached, e.seq.num_cached + e.num_tokens)]
             assert e.sample == (e.num_tokens == e.seq.num_pending)
             e.seq.num_cached += e.num_tokens
+            self.bm.commit(e.seq.seq_id, e.seq.token_ids, e.seq.num_cached)
             if e.sample:
                 e.seq.token_ids.append(9)
             fed[e.seq.token_ids[0]] = e.num_tokens
@@ -501,6 +503,70 @@ def test_busy_sequences_are_left_alone_and_limit_caps_the_batch():
     busy = {plan.seqs[2].seq_id}
     assert plan.step(busy=busy) == ({1: 1, 3: 1}, [])
     assert plan.step(limit=2) == ({1: 1, 2: 1}, [])
+
+
+def test_decodes_go_first_and_prompts_take_what_the_step_target_leaves():
+    """Stall-free batching: with sequences decoding, a long prompt gets only the tokens that keep
+    the step near its target time (here, from a fixed cost of 30 ms + 1 ms a token: twice the
+    decodes' 33 ms), in chunks; with nothing decoding, prompts take the whole budget."""
+    from rudder.engine.scheduler import StepBudget
+
+    plan = _Plan(max_batch_tokens=64, budget=StepBudget(fixed_s=0.030, per_token_s=0.001))
+    for name in (1, 2, 3):
+        plan.add(name, 3)
+    assert plan.step() == ({1: 3, 2: 3, 3: 3}, [])
+    plan.add(4, 70)
+    plan.add(5, 2)  # prompts are served in order: 5 waits for 4's prefill
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 33}, [])
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 33}, [])
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 4, 5: 2}, [])  # 33 tokens: the rest of 4, then 5 whole
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 1, 5: 1}, [])
+
+
+def test_a_step_target_below_the_decodes_cost_still_moves_prompts_on():
+    from rudder.engine.scheduler import MIN_PREFILL_TOKENS, StepBudget
+
+    plan = _Plan(max_batch_tokens=64, budget=StepBudget(target_s=0.001, fixed_s=0.010, per_token_s=0.001))
+    plan.add(1, 3)
+    plan.step()
+    plan.add(2, 40)
+    assert plan.step() == ({1: 1, 2: MIN_PREFILL_TOKENS}, [])
+
+
+def test_a_prefilling_sequence_never_holds_up_decodes_listed_after_it():
+    """A fork decoding behind a sequence still prefilling (in the running order) decodes first;
+    the old order gave the prefilling one the whole budget and the fork nothing."""
+    plan = _Plan(max_batch_tokens=16)
+    plan.add(1, 3)
+    plan.step()
+    plan.add(2, 100)
+    assert plan.step() == ({1: 1, 2: 15}, [])
+    fork = plan.seqs[1]
+    child = type(fork)(list(fork.token_ids), fork.params, fork.rng, fork.request)
+    child.num_prompt, child.num_cached = fork.num_prompt, fork.num_cached
+    plan.bm.fork(fork.seq_id, child.seq_id)
+    plan.sched.add_running(child)  # running order: 1, 2 (prefilling), the fork
+    batch, _ = plan.sched.schedule()
+    assert [(e.seq.seq_id, e.num_tokens) for e in batch] == [(fork.seq_id, 1), (child.seq_id, 1),
+                                                             (plan.seqs[2].seq_id, 14)]
+
+
+def test_the_step_budget_learns_the_hosts_cost_per_token():
+    """The fit of seconds = fixed + per_token * tokens over the steps reported (no clock: the
+    times are given); steps that all feed alike tell no slope, and prompts then take everything."""
+    from rudder.engine.scheduler import StepBudget
+
+    flat = StepBudget()
+    for _ in range(50):
+        flat.observe(32, 0.05)
+    assert flat.per_token_s is None and flat.prompt_tokens(32, 400) == 400
+    budget = StepBudget()
+    for tokens in [1, 300, 16, 64, 32, 500, 8] * 5:
+        budget.observe(tokens, 0.02 + 0.002 * tokens)
+    assert budget.per_token_s == pytest.approx(0.002) and budget.fixed_s == pytest.approx(0.02)
+    # twice the decodes' 0.02 + 16 * 0.002 = 0.052 s: 26 more tokens' worth
+    assert budget.prompt_tokens(16, 400) == 26
+    assert StepBudget(target_s=0.5, fixed_s=0.02, per_token_s=0.002).prompt_tokens(16, 100) == 100
 
 
 def test_every_runner_takes_what_the_loop_passes():

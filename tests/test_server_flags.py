@@ -184,7 +184,8 @@ def test_serve_maps_its_flags_onto_the_server_config(monkeypatch):
     result = CliRunner().invoke(app, [
         "serve", "--model", "tiny", "--host", "0.0.0.0", "--port", "1234", "--restricted", "--max-concurrent", "3",
         "--max-queue", "5", "--max-tokens", "77", "--max-upload-mb", "0.5", "--limit", "mid_process_ms=10",
-        "--limit", "max_forks=4", "--kv-cache-tokens", "512", "--dtype", "int8", "--model-threads", "all"])
+        "--limit", "max_forks=4", "--kv-cache-tokens", "512", "--dtype", "int8", "--model-threads", "all",
+        "--no-prefix-caching", "--step-target-ms", "150"])
     assert result.exit_code == 0, result.output
     cfg = seen["config"]
     assert (cfg.model, cfg.restricted, cfg.max_concurrent, cfg.max_queue) == ("tiny", True, 3, 5)
@@ -192,6 +193,7 @@ def test_serve_maps_its_flags_onto_the_server_config(monkeypatch):
     assert cfg.controller_limits == {"mid_process_ms": 10, "max_forks": 4}
     assert cfg.engine_options["kv_cache_tokens"] == 512 and cfg.engine_options["dtype"] == "int8"
     assert cfg.engine_options["model_threads"] is None
+    assert seen["llm"].engine.config.prefix_caching is False and seen["llm"].engine.config.step_target_ms == 150
     assert seen["llm"].dtype == "int8" and seen["llm"].model.precision == "int8"
     assert seen["llm"].runtime.limits.mid_process_ms == 10 and seen["llm"].runtime.limits.max_forks == 4
     assert seen["uvicorn"]["host"] == "0.0.0.0" and seen["uvicorn"]["port"] == 1234
@@ -202,6 +204,8 @@ def test_serve_maps_its_flags_onto_the_server_config(monkeypatch):
         (False, 16, 64, 1024, 256)
     assert cfg.max_upload_bytes == 32 << 20 and cfg.controller_limits == {} and cfg.engine_options["dtype"] == "auto"
     assert cfg.engine_options["model_threads"] == "shared"  # a core kept for tenants' controllers
+    engine = seen["llm"].engine.config  # the KV cache sized from the machine's memory, prefixes cached
+    assert engine.kv_cache_tokens > 0 and engine.prefix_caching and engine.step_target_ms is None
     assert seen["uvicorn"]["host"] == "127.0.0.1" and seen["uvicorn"]["port"] == 8000
 
 
@@ -213,6 +217,8 @@ def test_serve_maps_its_flags_onto_the_server_config(monkeypatch):
     (["--max-queue", "-1"], "--max-queue"),
     (["--dtype", "fp16"], "--dtype 'fp16': expected auto, fp32, bf16 or int8"),
     (["--model-threads", "0"], "--model-threads takes shared, all or a number of threads >= 1, got '0'"),
+    (["--kv-cache-memory", "2"], "--kv-cache-memory"),
+    (["--kv-cache-tokens", "512", "--kv-cache-memory", "0.2"], "kv_cache_tokens and kv_cache_memory both size"),
 ])
 def test_serve_bad_flags_are_one_line_errors(flags, message):
     """A bad flag fails before any model loads (the model named does not exist), in one line."""

@@ -405,8 +405,21 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           snapshot_memory_mb: int = typer.Option(DEFAULT_SNAPSHOT_BYTES >> 20, "--snapshot-memory-mb", min=1,
                                                  help="Post-init snapshots kept for loaded modules (least recently "
                                                       "used dropped, re-made on use)."),
-          kv_cache_tokens: int = typer.Option(DEFAULTS.kv_cache_tokens, "--kv-cache-tokens", min=16,
-                                              help="KV cache size in tokens."),
+          kv_cache_tokens: Optional[int] = typer.Option(
+              None, "--kv-cache-tokens", min=16,
+              help="KV cache size in tokens (default: what --kv-cache-memory of the available memory holds; the "
+                   "log says how many)."),
+          kv_cache_memory: Optional[float] = typer.Option(
+              None, "--kv-cache-memory", min=0.01, max=0.95,
+              help=f"Share of the memory available at start that the KV cache may use (default "
+                   f"{DEFAULTS.kv_cache_memory:g}); instead of --kv-cache-tokens."),
+          prefix_caching: bool = typer.Option(
+              DEFAULTS.prefix_caching, "--prefix-caching/--no-prefix-caching",
+              help="Reuse the KV cache of prompts' common prefixes (a shared system prompt, a tool list)."),
+          step_target_ms: Optional[float] = typer.Option(
+              None, "--step-target-ms", min=1,
+              help="The time a step with decoding requests in it should stay near: prompts arriving get what the "
+                   "decodes leave of it (default: twice what the decodes alone take, measured on this host)."),
           max_batch_tokens: int = typer.Option(DEFAULTS.max_batch_tokens, "--max-batch-tokens", min=1,
                                                help="Tokens fed to the model per step (prompt chunks + decoding)."),
           max_seqs: int = typer.Option(DEFAULTS.max_seqs, "--max-seqs", min=1, help="Sequences decoding at once."),
@@ -455,7 +468,9 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                               max_modules=max_modules, max_compiles=max_compiles,
                               compile_wait_s=compile_wait_s, compile_memory_mb=compile_memory_mb,
                               reasoning=_reasoning(reasoning_parser, reasoning_start, reasoning_end),
-                              engine_options={"kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": max_batch_tokens,
+                              engine_options={"kv_cache_tokens": kv_cache_tokens, "kv_cache_memory": kv_cache_memory,
+                                              "prefix_caching": prefix_caching, "step_target_ms": step_target_ms,
+                                              "max_batch_tokens": max_batch_tokens,
                                               "max_seqs": max_seqs, "device": _device(device), "dtype": _dtype(dtype),
                                               "pipeline_stages": _stages(pipeline_stages),
                                               "micro_batches": pipeline_micro_batches,

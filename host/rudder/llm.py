@@ -19,12 +19,22 @@ import torch
 from .engine import Completion, Controller, Delta, Engine, EngineConfig, SamplingParams
 from .engine.output import HeldStream
 from .healing import check_chat, check_controller
-from .loading import load_model, load_tokenizer
-from .precision import resolve
+from .loading import load_config, load_model, load_tokenizer
+from .precision import activation_dtype, resolve
 from .reasoning import Reasoning, ReasoningSplitter, split
 from .constraint_plan import from_params
 
 __all__ = ["LLM"]
+
+
+def _pipeline_kv_tokens(model: str, precision: str, device, config: EngineConfig) -> int:
+    """The KV cache size of a pipeline, from this machine's memory (under torchrun, rank 0's size
+    is every stage's)."""
+    from .engine.kv_cache import tokens_for_memory
+
+    cfg = load_config(model)
+    return tokens_for_memory(cfg, activation_dtype(precision, device), device, config.kv_cache_memory,
+                             config.max_seqs * cfg.max_position)
 
 
 class LLM:
@@ -59,6 +69,8 @@ class LLM:
         else:
             from .pipeline import start_pipeline
 
+            if config.kv_cache_tokens is None:
+                config = config.replace(kv_cache_tokens=_pipeline_kv_tokens(model, precision, device, config))
             self.model, factory = start_pipeline(
                 model, pipeline_stages, kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size,
                 device=str(device), threads=pipeline_threads, timeout=pipeline_timeout, dtype=precision)

@@ -52,7 +52,8 @@ from .model_runner import ModelRunner
 from .output import Completion, Delta, TextOutput
 from .runner import Runner, RunnerFailure
 from .sampler import Sampler, take_rows
-from .scheduler import Headroom, Scheduler
+from .kv_cache import tokens_for_memory
+from .scheduler import Headroom, Scheduler, StepBudget
 from .sequence import Request, SamplingParams, Sequence
 from .step import ScheduledSeq
 from .trace import sampler_params
@@ -108,7 +109,13 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model.cfg
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        if config.kv_cache_tokens is None:  # sized for this machine (a runner of its own was sized with it)
+            if runner is not None:
+                raise ValueError("kv_cache_tokens: give the size the runner's KV cache was made with")
+            config = self.config = config.replace(kv_cache_tokens=tokens_for_memory(
+                model.cfg, getattr(model, "act_dtype", torch.float32), model.embed_tokens.weight.device,
+                config.kv_cache_memory, config.max_seqs * model.cfg.max_position))
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self.runner: Runner = runner or ModelRunner(model, config.num_blocks, config.block_size)
         if config.model_threads == "shared":  # a core kept for controllers where there is one to keep
             threads = torch.get_num_threads()
@@ -118,7 +125,8 @@ class Engine:
             raise ValueError("model_threads caps the native CPU kernels of a bf16 or int8 model in this process; "
                              "this model does not run on them (fp32, a GPU, or a pipeline's stages): set torch's "
                              "threads instead (pipeline_threads for a pipeline)")
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_seqs)
+        target = None if config.step_target_ms is None else config.step_target_ms / 1000
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_seqs, StepBudget(target))
         self.steering = Steering(self.block_manager, self.scheduler, tokenizer.stop_token_ids,
                                  self.model_config.max_position, config.max_forks, self._sequence_ended)
         self.calls = ControllerCalls(config.controller_threads)
@@ -332,8 +340,11 @@ class Engine:
 
     def _apply(self, flight: _Flight, deltas: list[Delta]) -> None:
         self._steps += 1
+        self.scheduler.budget.observe(sum(e.num_tokens for e in flight.batch), flight.forward_s)
         for entry in flight.batch:
             entry.seq.num_cached += entry.num_tokens
+            # its full blocks computed now are the prefix cache's (registered once their data is written)
+            self.block_manager.commit(entry.seq.seq_id, entry.seq.token_ids, entry.seq.num_cached)
             entry.seq.steps += entry.sample
             usage = entry.seq.request.usage
             if usage.last_step != self._steps:  # once per request, however many of its forks ran
@@ -448,7 +459,7 @@ class Engine:
     # -- what the speculator asks of the engine (speculative.EngineView) ------------------------
 
     def runnable(self, busy, limit: int | None = None) -> list[Sequence]:
-        return [s for s in self.scheduler.running if s.seq_id not in busy][:limit]
+        return self.scheduler.runnable(busy, limit)
 
     def headroom(self, running: list[Sequence]) -> Headroom:
         return self.scheduler.headroom(running)

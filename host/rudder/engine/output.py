@@ -43,6 +43,8 @@ class Usage:
     controller_s: float = 0.0   # time spent in the controller's mid_process calls
     forward_s: float = 0.0      # time of the forward passes the request took part in
     last_step: int = -1         # the engine step last counted into forward_s
+    cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache (at its first admission)
+    admissions: int = 0         # times its sequences were admitted and prefilled (more after preemption)
 
 
 @dataclass

@@ -399,7 +399,9 @@ def _join_torchrun(spec, stages, plan: list[StageSpec], env, kv_cache_tokens, bl
     if world != len(plan):
         raise ValueError(f"torchrun started {world} processes for {len(plan)} pipeline stages")
     store, _, _ = next(dist.rendezvous("env://", rank, world))
-    num_blocks = max(1, kv_cache_tokens // block_size)
+    if rank == 0:  # rank 0 sizes every stage's KV cache (a size from memory differs from host to host)
+        store.set("rudder/kv_cache_tokens", str(kv_cache_tokens))
+    num_blocks = max(1, int(store.get("rudder/kv_cache_tokens")) // block_size)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if rank != 0:
         try:

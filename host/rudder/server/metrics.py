@@ -65,6 +65,7 @@ class Metrics:
         self.cancelled = 0
         self.tokens_total = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of those, the prefix cache's
         self.sampled_tokens = 0
         self.ff_tokens = 0
         self.controller_s = 0.0
@@ -92,6 +93,7 @@ class Metrics:
     def finished(self, result) -> None:
         u = result.usage
         self.prompt_tokens += result.prompt_tokens
+        self.cached_tokens += u.cached_tokens
         self.sampled_tokens += u.sampled_tokens
         self.ff_tokens += u.ff_tokens
         self.controller_s += u.controller_s
@@ -132,6 +134,10 @@ class Metrics:
         metric("cancelled_total", "counter", "Requests cancelled (client gone).", [({}, self.cancelled)])
         metric("tokens_total", "counter", "Tokens generated (sampled and fast-forwarded).", [({}, self.tokens_total)])
         metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [({}, self.prompt_tokens)])
+        metric("prefix_cache_hits_total", "counter", "Prompt tokens of finished requests whose KV came from the "
+               "prefix cache.", [({}, self.cached_tokens)])
+        metric("prefix_cache_hit_rate", "gauge", "Share of finished requests' prompt tokens found in the prefix cache.",
+               [({}, round(self.cached_tokens / self.prompt_tokens, 6) if self.prompt_tokens else 0.0)])
         metric("sampled_tokens_total", "counter", "Sampled tokens of finished requests.", [({}, self.sampled_tokens)])
         metric("ff_tokens_total", "counter", "Fast-forwarded tokens of finished requests.", [({}, self.ff_tokens)])
         metric("controller_seconds_total", "counter", "Time in controllers' mid_process (finished requests).",

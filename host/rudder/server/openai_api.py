@@ -254,7 +254,9 @@ async def _stream(svc: Service, jobs, shape: _Shape, head: dict, opts):
 
     def usage() -> dict:
         done = sum(len(c.shown.token_ids) for c in choices.values())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+        cached = sum(j.request.usage.cached_tokens for j in jobs if j.request is not None)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def chunk(items: list[dict], **extra) -> str:
         if continuous and items:
@@ -388,7 +390,8 @@ async def _whole(svc: Service, jobs, shape: _Shape, head: dict) -> dict:
     out.sort(key=lambda ch: ch["index"])
     return {**head, "object": "chat.completion" if shape.chat else "text_completion", "choices": out,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+                      "total_tokens": prompt_tokens + completion_tokens,
+                      "prompt_tokens_details": {"cached_tokens": sum(j.result.usage.cached_tokens for j in jobs)}}}
 
 
 def _whole_choice(svc: Service, shape: _Shape, job, c: _Choice, comp) -> dict:
