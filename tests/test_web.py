@@ -126,6 +126,7 @@ def set_field(driver, css: str, value: str):
     field.send_keys(value)
 
 
+@pytest.mark.model
 def test_a_missing_or_wrong_key_says_so_and_the_right_one_opens_the_page(server, browser, tmp_path):
     open_page(browser, server, None)
     banner = find(browser, "#error")
@@ -156,6 +157,7 @@ def send(driver, text: str):
     find(driver, "#chat-send").click()
 
 
+@pytest.mark.model
 def test_chat_streams_stops_and_regenerates(server, browser, tmp_path):
     open_page(browser, server, KEY)
     set_field(browser, "#max_tokens", "48")
@@ -197,6 +199,7 @@ def test_chat_streams_stops_and_regenerates(server, browser, tmp_path):
     assert not find(browser, "#chat-send").get_attribute("disabled")
 
 
+@pytest.mark.model
 def test_chat_json_schema_gives_a_parsed_valid_document(server, browser, tmp_path):
     open_page(browser, server, KEY)
     Select(find(browser, "#so-mode")).select_by_value("json")
@@ -215,6 +218,7 @@ def test_chat_json_schema_gives_a_parsed_valid_document(server, browser, tmp_pat
     assert "not valid JSON" in find(browser, "#json-schema-check").text
 
 
+@pytest.mark.model
 def test_chat_tool_calls_come_as_cards(server, browser, tmp_path):
     open_page(browser, server, KEY)
     Select(find(browser, "#so-mode")).select_by_value("tools")
@@ -248,6 +252,7 @@ def open_playground(driver, server):
     wait(driver, lambda: len(Select(find(driver, "#pg-controller")).options) >= 9)
 
 
+@pytest.mark.model
 def test_playground_json_controller_with_a_schema_gives_a_valid_document(server, browser, tmp_path):
     open_playground(browser, server)
     Select(find(browser, "#pg-controller")).select_by_value("json")
@@ -274,6 +279,7 @@ def test_playground_json_controller_with_a_schema_gives_a_valid_document(server,
     assert len(run["trace"]) == len(finds(browser, "#pg-strip .tick")) and run["done"]["type"] == "done"  # a tick a step
 
 
+@pytest.mark.model
 def test_playground_backtrack_strikes_through_the_tokens_it_took_back(server, browser, tmp_path):
     open_playground(browser, server)
     run_controller(browser, "backtrack", arg="e", prompt="Describe the sea.", max_tokens=16)
@@ -284,6 +290,7 @@ def test_playground_backtrack_strikes_through_the_tokens_it_took_back(server, br
     shot(browser, tmp_path, "playground-backtrack")
 
 
+@pytest.mark.model
 def test_playground_fork_three_shows_three_columns(server, browser, tmp_path):
     open_playground(browser, server)
     run_controller(browser, "fork", arg="3", prompt="Give me a name for a boat.", max_tokens=24)
@@ -298,6 +305,7 @@ def test_playground_fork_three_shows_three_columns(server, browser, tmp_path):
     shot(browser, tmp_path, "playground-fork")
 
 
+@pytest.mark.model
 def test_playground_lists_only_the_tenants_tags_and_takes_an_upload(server, browser, tmp_path):
     with server.client(headers={"Authorization": f"Bearer {KEY}"}) as c:
         tags = {t["tag"]: t["module_id"] for t in c.get("/v1/controllers/tags").json()["tags"]}

@@ -18,7 +18,7 @@ STATIC = Path(__file__).with_name("static")
 
 
 def add_routes(app: FastAPI) -> None:
-    @app.get("/", include_in_schema=False)
+    @app.get("/")
     async def index():
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
