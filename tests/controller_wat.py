@@ -155,10 +155,14 @@ def good_wasm() -> bytes:
 
 
 def peek(ctl, addr: int, n: int | None = None) -> int | bytes:
-    """Read the guest memory of a Controller (white-box): a u32, or `n` bytes."""
+    """Read the guest memory of a Controller (white-box, either shape: shapes.memory_of): a u32,
+    or `n` bytes."""
+    from shapes import memory_of
+
+    mem = memory_of(ctl)
     if n is not None:
-        return ctl._inst.u8[addr:addr + n].tobytes()
-    return struct.unpack("<I", ctl._inst.u8[addr:addr + 4].tobytes())[0]
+        return bytes(mem[addr:addr + n])
+    return struct.unpack("<I", bytes(mem[addr:addr + 4]))[0]
 
 
 def busy_wat() -> str:

@@ -1,5 +1,6 @@
 """A catalogue of hostile controllers (WAT), each misbehaving in one way, with the error kind its
-request must end with. Shared by the tenant tests over a real server and benchmarks/soak.py.
+request must end with. Shared by the tenant tests over a real server, the budget tests (in both
+controller shapes: `kinds`) and benchmarks/soak.py.
 
 Result records live at fixed addresses (see controller_wat.controller_wat: 0x100 holds one
 unconstrained Branch); the ones here add their own.
@@ -45,6 +46,16 @@ HOSTILE: dict[str, tuple[str, set[str]]] = {
     "start refuses": (controller_wat(start="(i32.const 7)"), {"start"}),
     "init loops": (controller_wat(init=LOOP), {"timeout"}),
 }
+
+
+# What differs when the same module runs as a component (tests/shapes.py): its memory is hidden
+# from the host, so a trap at its memory limit is a trap.
+COMPONENT_KINDS = {"memory bomb": {"trap"}}
+
+
+def kinds(name: str, shape) -> set[str]:
+    """The kinds the request of HOSTILE[name] may end with, in `shape`."""
+    return COMPONENT_KINDS.get(name, HOSTILE[name][1]) if str(shape) == "component" else HOSTILE[name][1]
 
 
 def dirty_init_wat(mib: int, mark: int) -> str:

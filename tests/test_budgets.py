@@ -1,7 +1,9 @@
 """The sandbox's server-wide memory budgets (controller/budgets.py): post-init snapshots are
 bounded in bytes (least recently used dropped, re-made by running rudder_init again), and the
 linear memory of all live instances is bounded (a start or fork that does not fit is refused as
-`limit` with `busy` set; growth past the budget fails the request that grew, as `oom`)."""
+`limit` with `busy` set; growth past the budget fails the request that grew, as `oom`). Every
+case runs for both controller shapes (tests/shapes.py); a component counts at the most its
+memories may reach from its start, since the host cannot read them."""
 
 from __future__ import annotations
 
@@ -10,27 +12,20 @@ import time
 
 import pytest
 
-from controller_wat import controller_wat, peek, wasm_of
-from hostile_wat import HOSTILE
+from controller_wat import controller_wat, peek
+from hostile_wat import HOSTILE, dirty_init_wat, kinds
 from rudder.controller import ControllerError, ControllerRuntime, Limits
 from rudder.tokenizer import Tokenizer
+from shapes import COMPONENT, CORE, SHAPES
 
 MiB = 1 << 20
+both = pytest.mark.parametrize("shape", SHAPES, ids=str)
 
 
-def dirty_init_wat(mib: int, mark: int) -> str:
-    """rudder_init grows memory to `mib` MiB and writes `mark` over all of it (a big snapshot)."""
-    pages = mib * 16
-    return controller_wat(
-        memory='(memory (export "memory") 2)',
-        init=f"""(drop (memory.grow (i32.const {pages - 2})))
-                 (memory.fill (i32.const 0x10000) (i32.const {mark}) (i32.const {mib * MiB - 0x10000}))
-                 (i32.const 0)""")
-
-
-def test_snapshots_are_bounded_in_bytes_and_come_back():
+@both
+def test_snapshots_are_bounded_in_bytes_and_come_back(shape):
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False, snapshot_bytes=40 * MiB) as rt:
-        modules = [rt.load(wasm_of(dirty_init_wat(16, mark))) for mark in range(1, 7)]
+        modules = [rt.load(shape.wasm(dirty_init_wat(16, mark))) for mark in range(1, 7)]
         for m in modules:
             rt.start(m, "").close()
             assert rt.stats()["snapshot_bytes"] <= 40 * MiB + 16 * MiB
@@ -41,7 +36,7 @@ def test_snapshots_are_bounded_in_bytes_and_come_back():
         ctl = rt.start(first, "")  # rudder_init runs again and gives the same state
         assert peek(ctl, 0x20000, 4) == bytes([1] * 4) and peek(ctl, 16 * MiB - 4, 4) == bytes([1] * 4)
         ctl.close()
-        assert first.snapshot is not None and rt.stats()["snapshot_bytes"] <= 56 * MiB
+        assert first.snapshot is not None and rt.stats()["snapshot_bytes"] <= 56 * MiB + MiB
 
 
 def _malloc_bytes() -> int | None:
@@ -60,13 +55,14 @@ def _malloc_bytes() -> int | None:
     return info.uordblks + info.hblkhd
 
 
-def test_snapshots_live_outside_the_malloc_heap():
+@both
+def test_snapshots_live_outside_the_malloc_heap(shape):
     """A snapshot's bytes are an mmap of their own: in glibc's heap, snapshots that came and
     went left holes that kept the server's RSS growing (benchmarks/soak.py)."""
     if _malloc_bytes() is None:
         pytest.skip("needs glibc's mallinfo2")
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as rt:
-        module = rt.load(wasm_of(dirty_init_wat(16, 5)))
+        module = rt.load(shape.wasm(dirty_init_wat(16, 5)))
         before = _malloc_bytes()
         rt.start(module, "").close()
         grown = _malloc_bytes() - before
@@ -77,61 +73,74 @@ def test_snapshots_live_outside_the_malloc_heap():
         ctl.close()
 
 
-def test_modules_are_not_kept_for_their_snapshots():
+@both
+def test_modules_are_not_kept_for_their_snapshots(shape):
     """The snapshot cache holds modules weakly: modules the runtime's LRU dropped go, even when
     their snapshots are empty (held strongly, every distinct module stayed for good)."""
     import weakref
 
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as rt:
+        cache = rt._core.cache if shape is CORE else rt._component_shape().cache
+        cache.max_in_memory = 8  # (the LRU's size does not matter here, only that it drops modules)
         refs = []
-        for i in range(rt.cache.max_in_memory + 40):
+        for i in range(cache.max_in_memory + 12):
             init = "(i32.const 0)" if i % 2 else f"(i32.store (i32.const 0x8000) (i32.const {i + 1})) (i32.const 0)"
-            module = rt.load(wasm_of(controller_wat(init=init, extra=f"(global $g{i} i32 (i32.const {i}))")))
+            module = rt.load(shape.wasm(controller_wat(init=init, extra=f"(global $g{i} i32 (i32.const {i}))")))
             rt.start(module, "").close()
             refs.append(weakref.ref(module))
             del module
         gc.collect()
         alive = [r() for r in refs if r() is not None]
-        assert len(alive) <= rt.cache.max_in_memory
+        assert len(alive) <= cache.max_in_memory
         assert rt.stats()["snapshot_bytes"] == sum(m.snapshot.stored_bytes for m in alive if m.snapshot is not None)
         assert len(rt._shared.snapshots) == len(alive)
         del alive
-        module = rt.load(wasm_of(controller_wat(init="(i32.store (i32.const 0x8000) (i32.const 1)) (i32.const 0)",
-                                                extra="(global $g0 i32 (i32.const 0))")))
+        module = rt.load(shape.wasm(controller_wat(init="(i32.store (i32.const 0x8000) (i32.const 1)) (i32.const 0)",
+                                                   extra="(global $g0 i32 (i32.const 0))")))
         ctl = rt.start(module, "")  # a dropped module comes back: loaded and initialised again
         assert peek(ctl, 0x8000, 1) == b"\x01"
         ctl.close()
 
 
-def test_live_guest_memory_is_bounded_and_given_back():
-    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False, guest_memory_bytes=20 * MiB) as rt:
-        module = rt.load(wasm_of(dirty_init_wat(8, 7)))
+@both
+def test_live_guest_memory_is_bounded_and_given_back(shape):
+    """Room for two instances and a half: the third start and a fork are refused as busy, and a
+    closed instance makes room again. A core module counts its memory (its 8 MiB snapshot); a
+    component, the most its two memories may reach."""
+    limit = 20 * MiB
+    per = 8 * MiB if shape is CORE else 2 * limit
+    budget = 2 * per + per // 2
+    with ControllerRuntime(Tokenizer.byte_level(512), Limits(memory_bytes=limit), cache_dir=False,
+                           guest_memory_bytes=budget) as rt:
+        module = rt.load(shape.wasm(dirty_init_wat(8, 7)))
         a = rt.start(module, "")
         b = rt.start(module, "")
-        assert rt.guest_memory.used >= 16 * MiB
+        assert rt.guest_memory.used >= 2 * per
         with pytest.raises(ControllerError) as e:
             rt.start(module, "")
-        assert e.value.kind == "limit" and e.value.busy and "guest memory budget of 20 MiB" in str(e.value)
+        assert e.value.kind == "limit" and e.value.busy and f"guest memory budget of {budget >> 20} MiB" in str(e.value)
         with pytest.raises(ControllerError) as e:
             a.fork()
         assert e.value.kind == "limit" and e.value.busy
         del e  # its traceback holds the forking frame, and with it a's instance
+        assert a.mid_process(0, 0, [1])  # a refused fork leaves the controller as it was
         a.close()
         del a
         c = rt.start(module, "")  # room again once an instance is gone
         for ctl in (b, c):
             ctl.close()
         del b, c
-        assert rt.guest_memory.used == 0 and rt.guest_memory.peak >= 16 * MiB
+        assert rt.guest_memory.used == 0 and rt.guest_memory.peak >= 2 * per
 
 
 GROW = controller_wat(mid="(drop (memory.grow (i32.const 160))) (i32.const 0x100)")  # +10 MiB a step
 
 
 def test_growth_past_the_budget_fails_the_request_that_grew():
+    """A core module counts what it grows to: growth past the budget fails its own request."""
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False, guest_memory_bytes=24 * MiB) as rt:
-        module = rt.load(wasm_of(GROW))
-        quiet = rt.start(rt.load(wasm_of(controller_wat())), "")
+        module = rt.load(CORE.wasm(GROW))
+        quiet = rt.start(rt.load(CORE.wasm(controller_wat())), "")
         ctl = rt.start(module, "")
         ctl.mid_process(0, 0, [1])  # 10 MiB: fits
         ctl.mid_process(0, 0, [1])  # 20 MiB: fits
@@ -143,13 +152,32 @@ def test_growth_past_the_budget_fails_the_request_that_grew():
         quiet.close()
 
 
-def test_a_refusal_names_its_reason():
+def test_a_component_counts_its_most_from_the_start():
+    """A component's memory cannot be read, so it counts at the most its memories may reach from
+    its start: growing up to its limit changes nothing, and the budget is never exceeded."""
+    limit = 16 * MiB
+    with ControllerRuntime(Tokenizer.byte_level(512), Limits(memory_bytes=limit), cache_dir=False,
+                           guest_memory_bytes=3 * limit) as rt:
+        ctl = rt.start(rt.load(COMPONENT.wasm(GROW)), "")
+        assert rt.guest_memory.used == ctl.memory_size == 2 * limit  # its memory and its scratch memory
+        for _ in range(3):  # 10 MiB, then past its 16 MiB limit: memory.grow says -1, the step goes on
+            assert ctl.mid_process(0, 0, [1])
+        assert rt.guest_memory.used == 2 * limit and rt.guest_memory.peak == 2 * limit
+        with pytest.raises(ControllerError) as e:
+            rt.start(rt.load(COMPONENT.wasm(controller_wat())), "")
+        assert e.value.kind == "limit" and e.value.busy
+        ctl.close()
+        assert rt.guest_memory.used == 0
+
+
+@both
+def test_a_refusal_names_its_reason(shape):
     reason = 'json: unsupported keyword "foo" at /\n'
     refuse = controller_wat(start=f"(call $log (i32.const 0x900) (i32.const {len(reason)})) (i32.const 1)",
                             extra='(data (i32.const 0x900) "json: unsupported keyword \\"foo\\" at /\\n")')
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as rt:
         with pytest.raises(ControllerError) as e:
-            rt.start(rt.load(wasm_of(refuse)), "")
+            rt.start(rt.load(shape.wasm(refuse)), "")
     assert e.value.kind == "start" and str(e.value).endswith('json: unsupported keyword "foo" at /')
 
 
@@ -157,23 +185,23 @@ def test_limits_are_only_lowered():
     assert Limits().capped({"max_tokenize_bytes": 5}).max_tokenize_bytes == 5
 
 
+@both
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_a_failed_request_gives_its_guest_memory_back_at_once(name):
+def test_a_failed_request_gives_its_guest_memory_back_at_once(name, shape):
     """Whatever a controller did, its instance is freed when its request ends (or when a call
     still running then returns), without waiting for the garbage collector: a kept traceback (a
     controller's exception, or one it was raised from) makes a cycle that would hold the
     instance's memory (the soak saw it pile up)."""
     from rudder import SamplingParams
 
-    cases = HOSTILE
-
+    expected = kinds(name, shape)
     llm = _tiny_llm()
     gc.collect()
     gc.disable()
     try:
-        out = llm.generate(["hi"], SamplingParams(max_tokens=8, temperature=0), controller=wasm_of(cases[name][0]))
+        out = llm.generate(["hi"], SamplingParams(max_tokens=8, temperature=0), controller=shape.wasm(HOSTILE[name][0]))
         kind = "ok" if out[0].finish_reason != "error" else out[0].error.split(":")[0].split()[-1]
-        assert kind in cases[name][1] or out[0].finish_reason != "error", (name, out[0].error)
+        assert kind in expected or out[0].finish_reason != "error", (name, out[0].error)
         # A fork's mid_process may still be running on a controller thread when the request has
         # failed (the engine does not wait for a late call): its instance is closed when that call
         # returns, ~1 ms later - still without the garbage collector, which stays off here.
@@ -182,7 +210,7 @@ def test_a_failed_request_gives_its_guest_memory_back_at_once(name):
             time.sleep(0.001)
         assert llm.runtime.guest_memory.used == 0, (name, llm.runtime.guest_memory.used)
     except ControllerError as e:  # refused at start (init loops, start refuses): nothing may be left either
-        assert e.kind in cases[name][1], (name, e)
+        assert e.kind in expected, (name, e)
         assert llm.runtime.guest_memory.used == 0, (name, llm.runtime.guest_memory.used)
     finally:
         gc.enable()

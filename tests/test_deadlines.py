@@ -3,7 +3,9 @@
 A legal controller that computes for ~40 % of its budget per step keeps running when the
 machine is so busy that each of its calls takes several budgets of wall time; a runaway one
 still ends at its budget (its CPU time) or at the wall-clock cap when it is starved; and
-time spent in an import (the tokenizer, which lets go of the GIL) counts against the call. Needs the native library (deadlines fall back to wall time without it).
+time spent in an import (the tokenizer, which lets go of the GIL) counts against the call.
+Needs the native library (deadlines fall back to wall time without it). Every case runs for
+both controller shapes (tests/shapes.py): the deadline is the store's, whatever runs in it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import time
 
 import pytest
 
-from controller_wat import busy_wat, controller_wat, wasm_of
+from controller_wat import busy_wat, controller_wat
 from rudder import native
 from rudder.controller import ControllerError, ControllerRuntime, Limits
-from rudder.controller.instance import wall_cap_ms
+from rudder.controller.store import wall_cap_ms
 from rudder.tokenizer import Tokenizer
+from shapes import SHAPES
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+both = pytest.mark.parametrize("shape", SHAPES, ids=str)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +43,9 @@ def _cpu_of_one_call(ctl) -> float:
     return time.thread_time() - t0
 
 
-def _calibrated(rt, target_s: float):
+def _calibrated(rt, shape, target_s: float):
     """A busy controller whose step costs about `target_s` of CPU here."""
-    module = rt.load(wasm_of(busy_wat()))
+    module = rt.load(shape.wasm(busy_wat()))
     n = 200_000
     while True:
         ctl = rt.start(module, struct.pack("<I", n), {"mid_process_ms": 1000})
@@ -74,8 +78,9 @@ class _Contention:
         os.sched_setaffinity(0, self.before)
 
 
-def test_a_legal_controller_survives_a_busy_machine(rt):
-    module, n = _calibrated(rt, 0.010)  # ~10 ms of CPU a step, under a 25 ms budget
+@both
+def test_a_legal_controller_survives_a_busy_machine(rt, shape):
+    module, n = _calibrated(rt, shape, 0.010)  # ~10 ms of CPU a step, under a 25 ms budget
     ctl = rt.start(module, struct.pack("<I", n))
     walls = []
     with _Contention(3):
@@ -87,9 +92,10 @@ def test_a_legal_controller_survives_a_busy_machine(rt):
     assert max(walls) > 0.025, walls  # the contention was real: some steps took longer than the budget
 
 
-def test_a_runaway_ends_at_its_cpu_budget_even_when_busy(rt):
+@both
+def test_a_runaway_ends_at_its_cpu_budget_even_when_busy(rt, shape):
     loop = controller_wat(mid="(loop $l (br $l)) (i32.const 0)")
-    ctl = rt.start(rt.load(wasm_of(loop)), "", {"mid_process_ms": 20})
+    ctl = rt.start(rt.load(shape.wasm(loop)), "", {"mid_process_ms": 20})
     with _Contention(1):
         t0, c0 = time.perf_counter(), time.thread_time()
         with pytest.raises(ControllerError) as e:
@@ -100,12 +106,13 @@ def test_a_runaway_ends_at_its_cpu_budget_even_when_busy(rt):
     assert wall < wall_cap_ms(20) / 1000 + 1.0  # ...and no more than the wall cap (margin for a loaded host)
 
 
-def test_a_starved_call_ends_at_the_wall_cap(rt):
+@both
+def test_a_starved_call_ends_at_the_wall_cap(rt, shape):
     """With 8 burners on its core, a runaway's thread gets ~11 % of it: its 50 ms of CPU would
     take ~450 ms of wall time, past the cap of 300 ms, so the cap ends it first."""
     loop = controller_wat(mid="(loop $l (br $l)) (i32.const 0)")
     runtime = ControllerRuntime(Tokenizer.byte_level(512), Limits(mid_process_ms=50), cache_dir=False)
-    ctl = runtime.start(runtime.load(wasm_of(loop)), "")
+    ctl = runtime.start(runtime.load(shape.wasm(loop)), "")
     with _Contention(8):
         t0 = time.perf_counter()
         with pytest.raises(ControllerError) as e:
@@ -129,12 +136,13 @@ TOKENIZE_LOOP = controller_wat(
            (i32.const 0x100)""")
 
 
-def test_tokenize_in_a_loop_is_charged_and_budgeted(tmp_path):
+@both
+def test_tokenize_in_a_loop_is_charged_and_budgeted(shape):
     """A step that tokenizes 16 KiB again and again: each call's time counts against the step
     (the tokenizer works on the guest's thread, without the GIL), and the request's tokenize
     budget ends it with kind `limit` when that comes first."""
     with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as runtime:
-        module = runtime.load(wasm_of(TOKENIZE_LOOP))
+        module = runtime.load(shape.wasm(TOKENIZE_LOOP))
         digits = b"7" * 16384
         ctl = runtime.start(module, digits, {"mid_process_ms": 25})
         t0 = time.perf_counter()
@@ -149,10 +157,11 @@ def test_tokenize_in_a_loop_is_charged_and_budgeted(tmp_path):
         assert e.value.kind == "limit" and "tokenize budget of 40000 bytes" in str(e.value)
 
 
-def test_one_tokenize_call_is_capped_in_a_step(rt):
+@both
+def test_one_tokenize_call_is_capped_in_a_step(rt, shape):
     wat = controller_wat(mid="(drop (call $tokenize (i32.const 0x1000) (i32.const 20000) (i32.const 0) (i32.const 0)))"
                              " (i32.const 0x100)")
-    ctl = rt.start(rt.load(wasm_of(wat)), "")
+    ctl = rt.start(rt.load(shape.wasm(wat)), "")
     with pytest.raises(ControllerError) as e:
         ctl.mid_process(0, 0, [1])
     assert e.value.kind == "limit" and "16384 bytes one call may tokenize in a step" in str(e.value)

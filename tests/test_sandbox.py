@@ -1,5 +1,6 @@
 """The controller sandbox with well-behaved controllers: decoding, state, forks, shared
-request state, the token table, the module cache, parallelism."""
+request state, the token table, the module cache, parallelism. Each case runs for both
+controller shapes (tests/shapes.py) unless it is about one shape's own calling convention."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from rudder.branch import Branch
 from rudder.controller import ControllerError, ControllerRuntime, Limits
 from rudder.controller.token_table import MAGIC, build_token_table, parse_header, token_table_for
 from rudder.tokenizer import Tokenizer
+from shapes import SHAPES
+
+both = pytest.mark.parametrize("shape", SHAPES, ids=str)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +36,10 @@ def rt(tok, tmp_path_factory):
     runtime.close()
 
 
-@pytest.fixture(scope="module")
-def good(rt):
-    return rt.load(wasm_of(GOOD_WAT))
+@pytest.fixture(params=SHAPES, ids=str)
+def good(rt, request):
+    """GOOD_WAT loaded in each shape (loads after the first are memory hits)."""
+    return rt.load(request.param.wasm(GOOD_WAT))
 
 
 def _mask_tokens(mask: np.ndarray) -> list[int]:
@@ -69,8 +74,6 @@ def test_good_controller_mask_and_ff(rt, good):
     assert _mask_tokens(b.mask) == [5, 7]
     assert b.ff == [[7, 8, 9]]
     assert peek(ctl, TOKEN_SUM) == 6 and peek(ctl, TOKENS_SEEN) == 3
-    # the mask is a zero-copy view of guest memory
-    assert not b.mask.flags.owndata
     ctl.close()
 
 
@@ -94,17 +97,21 @@ def test_stop_and_arguments(rt, good):
 
 def test_step_arguments_reach_the_guest(rt, good):
     ctl = rt.start(good, "m")
-    ctl.mid_process(0, 0, [10, 20])
+    ctl.mid_process(0, 0, [10, 20, 30, 40, 50, 60])
     ctl.mid_process(2, 5, np.array([7], dtype=np.int64))
     assert peek(ctl, LAST_BRANCH) == 2 and peek(ctl, LAST_BACKTRACK) == 5
-    assert peek(ctl, TOKEN_SUM) == 37 and peek(ctl, STEPS) == 2
+    assert peek(ctl, TOKEN_SUM) == 217 and peek(ctl, STEPS) == 2
     ctl.mid_process(0, 0, [])
-    assert peek(ctl, TOKENS_SEEN) == 3 and peek(ctl, STEPS) == 3
+    assert peek(ctl, TOKENS_SEEN) == 7 and peek(ctl, STEPS) == 3
     ctl.close()
 
 
-def test_input_buffer_reused(rt, good):
-    ctl = rt.start(good, "m")
+# ----------------------------------------------------------------------------- a core module's own
+
+
+def test_input_buffer_reused(rt):
+    """rudder_input is asked for room once, then again only when a step brings more tokens."""
+    ctl = rt.start(rt.load(wasm_of(GOOD_WAT)), "m")
     ctl.mid_process(0, 0, list(range(10)))
     assert peek(ctl, INPUT_CALLS) == 1
     for t in range(50):
@@ -207,18 +214,21 @@ def test_log_shared_and_truncated(rt, good):
     ctl.close()
 
 
-def test_mask_view_survives_close(rt, good):
-    ctl = rt.start(good, "m")
+def test_mask_view_survives_close(rt):
+    """A core module's mask is a zero-copy view of its memory, and keeps that memory alive."""
+    ctl = rt.start(rt.load(wasm_of(GOOD_WAT)), "m")
     [b] = ctl.mid_process(0, 0, [1])
+    assert not b.mask.flags.owndata
     ctl.close()
     del ctl
-    assert _mask_tokens(b.mask) == [5, 7]  # the view keeps the instance's memory alive
+    assert _mask_tokens(b.mask) == [5, 7]
 
 
 # ----------------------------------------------------------------------------- host imports
 
 
-def test_host_imports(tok, rt):
+@both
+def test_host_imports(tok, rt, shape):
     """vocab_size, eos_token, config, arg_len/arg_read, tokenize, token_table_* called from
     rudder_start; results stored at 0x400.. and read back."""
     wat = controller_wat(
@@ -238,7 +248,7 @@ def test_host_imports(tok, rt):
           (i32.store (i32.const 0x42c) (call $token_table_read (i32.const 0x10000) (i32.const 0x100000)))
           (i32.const 0)""",
         init="(i32.store (i32.const 0x430) (call $arg_len)) (i32.const 0)")
-    ctl = rt.start(rt.load(wasm_of(wat)), "hello world", limits={"max_forks": 4})
+    ctl = rt.start(rt.load(shape.wasm(wat)), "hello world", limits={"max_forks": 4})
     u32 = lambda a: peek(ctl, a)
     table = token_table_for(tok)
     assert u32(0x400) == 512 and u32(0x404) == 2
@@ -327,8 +337,9 @@ def test_token_table_smollm2(smollm2_tokenizer):
 # ----------------------------------------------------------------------------- module cache
 
 
-def test_module_cache_memory_and_disk(tok, tmp_path):
-    wasm = wasm_of(GOOD_WAT.replace("0xABCD", "0xABCE"))  # a module no other test compiled
+@both
+def test_module_cache_memory_and_disk(tok, tmp_path, shape):
+    wasm = shape.wasm(GOOD_WAT.replace("0xABCD", "0xABCE"))  # a module no other test compiled
     with ControllerRuntime(tok, cache_dir=tmp_path) as rt1:
         t0 = time.perf_counter()
         m1 = rt1.load(wasm)
@@ -336,14 +347,15 @@ def test_module_cache_memory_and_disk(tok, tmp_path):
         t0 = time.perf_counter()
         assert rt1.load(wasm) is m1
         t_memory = time.perf_counter() - t0
-        assert rt1.cache.stats["compiled"] == 1 and rt1.cache.stats["memory_hits"] == 1
+        stats = shape.side(rt1).cache.stats
+        assert stats["compiled"] == 1 and stats["memory_hits"] == 1
         assert m1.wasm_size == len(wasm) and m1.compiled_size > 0 and len(m1.sha256) == 64
     assert list(tmp_path.glob(f"{m1.sha256}.*.cwasm"))
     with ControllerRuntime(tok, cache_dir=tmp_path) as rt2:
         t0 = time.perf_counter()
         m2 = rt2.load(wasm)
         t_disk = time.perf_counter() - t0
-        assert rt2.cache.stats == {"memory_hits": 0, "disk_hits": 1, "compiled": 0}
+        assert shape.side(rt2).cache.stats == {"memory_hits": 0, "disk_hits": 1, "compiled": 0}
         assert m2.sha256 == m1.sha256 and m2.compiled_size == m1.compiled_size
         ctl = rt2.start(m2, "m")
         assert ctl.mid_process(0, 0, [1])[0].ff == [[7, 8, 9]]
@@ -352,33 +364,35 @@ def test_module_cache_memory_and_disk(tok, tmp_path):
           f"disk hit {t_disk * 1e3:.3f} ms")
 
 
-def test_corrupt_disk_cache_is_recompiled(tok, tmp_path):
-    wasm = wasm_of(GOOD_WAT.replace("0xABCD", "0xABCF"))
+@both
+def test_corrupt_disk_cache_is_recompiled(tok, tmp_path, shape):
+    wasm = shape.wasm(GOOD_WAT.replace("0xABCD", "0xABCF"))
     with ControllerRuntime(tok, cache_dir=tmp_path) as rt1:
         m = rt1.load(wasm)
     [path] = tmp_path.glob(f"{m.sha256}.*.cwasm")
     path.write_bytes(b"garbage")
     with ControllerRuntime(tok, cache_dir=tmp_path) as rt2:
         m2 = rt2.load(wasm)
-        assert rt2.cache.stats["compiled"] == 1
+        assert shape.side(rt2).cache.stats["compiled"] == 1
         ctl = rt2.start(m2, "m")
         ctl.mid_process(0, 0, [1])
         ctl.close()
     assert path.stat().st_size > 100
 
 
-def test_start_restores_the_snapshot_and_runs_only_rudder_start(tok, tmp_path, monkeypatch):
+@both
+def test_start_restores_the_snapshot_and_runs_only_rudder_start(tok, tmp_path, monkeypatch, shape):
     """Starting a request on a loaded module compiles nothing and runs rudder_init no more:
     it restores the post-init snapshot into a fresh instance and runs rudder_start; closing
     the controller gives its store back. (How long a start takes is benchmarks/' business.)"""
-    wasm = wasm_of(GOOD_WAT.replace("0xABCD", "0xABCA"))  # a module no other test initialised
+    wasm = shape.wasm(GOOD_WAT.replace("0xABCD", "0xABCA"))  # a module no other test initialised
     with ControllerRuntime(tok, cache_dir=tmp_path) as rt:
-        inits = []
-        run_init = rt._run_init
-        monkeypatch.setattr(rt, "_run_init", lambda cmod: inits.append(cmod) or run_init(cmod))
+        side, inits = shape.side(rt), []
+        run_init = side.run_init
+        monkeypatch.setattr(side, "run_init", lambda cmod: inits.append(cmod) or run_init(cmod))
         module = rt.load(wasm)
-        stats = dict(rt.cache.stats)
-        live = rt._ticker._live
+        stats = dict(side.cache.stats)
+        live = side.engine.ticker._live
         for i in range(20):
             ctl = rt.start(module, "c")
             assert peek(ctl, 0x130) == 0xABCA  # rudder_init's write, from the snapshot
@@ -387,8 +401,8 @@ def test_start_restores_the_snapshot_and_runs_only_rudder_start(tok, tmp_path, m
                 assert ctl.mid_process(0, 0, [1])[0].ff == [[k, 200 + k]]
             ctl.close()
         assert len(inits) == 1  # rudder_init ran once, for the first start
-        assert rt.cache.stats == stats  # starts load and compile nothing
-        assert rt._ticker._live == live  # every closed controller gave its store back
+        assert side.cache.stats == stats  # starts load and compile nothing
+        assert side.engine.ticker._live == live  # every closed controller gave its store back
 
 
 # ----------------------------------------------------------------------------- parallelism
@@ -411,11 +425,12 @@ def _calibrated(rt, module, seconds: float) -> bytes:
     return struct.pack("<I", int(seconds / per_iter))
 
 
-def test_gil_released_during_guest_code(tok):
+@both
+def test_gil_released_during_guest_code(tok, shape):
     """Python threads keep running while a guest computes (robust to a busy machine: with
     the GIL held they would make no progress at all)."""
     with _busy_runtime(tok) as rt:
-        module = rt.load(wasm_of(busy_wat()))
+        module = rt.load(shape.wasm(busy_wat()))
         arg = _calibrated(rt, module, 0.15)
         ctl = rt.start(module, arg)
         counter, stop = [0], threading.Event()
@@ -451,14 +466,15 @@ HANDSHAKE_WAT = controller_wat(
            (i32.const 0x100)""")
 
 
-def test_two_controllers_run_at_the_same_time(tok):
+@both
+def test_two_controllers_run_at_the_same_time(tok, shape):
     """Two forks of one request step on two threads at once (docs: forks run in parallel).
     Deterministic, whatever the machine's load: fork 0's step cannot return before fork 1's
     step has run, so a runtime that serialised steps would hold fork 1 back until fork 0's
     deadline and fork 0 would fail with a timeout. (The speed-up this gives on two free cores
     is measured in benchmarks/, not asserted here.)"""
     with ControllerRuntime(tok, limits=Limits(mid_process_ms=30_000), cache_dir=False) as rt:
-        waiter = rt.start(rt.load(wasm_of(HANDSHAKE_WAT)), "")
+        waiter = rt.start(rt.load(shape.wasm(HANDSHAKE_WAT)), "")
         setter = waiter.fork()
         outcome: list = []
 

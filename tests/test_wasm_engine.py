@@ -1,5 +1,6 @@
 """Wasm controllers driving the real engine: built-in controllers end to end on SmolLM2 through
-`rudder run`, and hostile controllers failing alone while a good request is undisturbed."""
+`rudder run`, and hostile controllers (both shapes: tests/shapes.py) failing alone while a good
+request is undisturbed."""
 
 import json
 
@@ -10,11 +11,14 @@ from controller_wat import busy_wat, controller_wat, wasm_of
 from rudder import LLM, SamplingParams
 from rudder.cli import app
 from rudder.controller import ControllerError
+from shapes import CORE, SHAPES
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 # -- hostile controllers next to a good request (tiny model: fast) -----------------------------
+# name -> (module, argument, kind); a component's memory is hidden from the host, so there a
+# memory bomb's trap is a trap (test_hostile.py, test_memory_bomb).
 
 HOSTILE = {
     "infinite loop": (busy_wat(), (2**31).to_bytes(4, "little"), "timeout"),
@@ -39,19 +43,19 @@ def tiny():
 
 
 def _hostile_cases():
-    for name in sorted(HOSTILE):
-        case = HOSTILE[name]
-        if hasattr(case, "marks"):   # a pytest.param
-            yield pytest.param(*case.values, marks=case.marks, id=name)
-        else:
-            yield pytest.param(*case, id=name)
+    for shape in SHAPES:
+        for name in sorted(HOSTILE):
+            wat, arg, kind = HOSTILE[name]
+            if shape is not CORE and name.startswith("memory bomb"):
+                kind = "trap"
+            yield pytest.param(shape.wasm(wat), arg, kind, id=f"{name}-{shape}")
 
 
-@pytest.mark.parametrize("wat,arg,kind", list(_hostile_cases()))
-def test_hostile_controller_fails_alone(tiny, wat, arg, kind):
+@pytest.mark.parametrize("wasm,arg,kind", list(_hostile_cases()))
+def test_hostile_controller_fails_alone(tiny, wasm, arg, kind):
     prompt = "The good request"
     [solo] = tiny.generate([prompt], GREEDY)
-    hostile = tiny.start_controller(wasm_of(wat), arg)
+    hostile = tiny.start_controller(wasm, arg)
     good, bad = tiny.generate([prompt, "a hostile one"], GREEDY, controllers=[None, hostile])
     assert good.token_ids == solo.token_ids and good.finish_reason == "length"
     assert bad.finish_reason == "error" and bad.error.startswith(f"controller {kind}: "), bad.error

@@ -15,27 +15,17 @@ ABI_VERSION = 1
 # The one module a controller may import from: name -> (number of i32 params, number of i32 results).
 IMPORT_MODULE = "rudder"
 IMPORTS: dict[str, tuple[int, int]] = {
-    "vocab_size": (0, 1),
-    "eos_token": (0, 1),
-    "config": (1, 1),
-    "arg_len": (0, 1),
-    "arg_read": (2, 1),
-    "tokenize": (4, 1),
-    "token_table_len": (0, 1),
-    "token_table_read": (2, 1),
-    "log": (2, 0),
-    "var_get": (4, 1),
-    "var_set": (4, 1),
+    "vocab_size": (0, 1), "eos_token": (0, 1), "config": (1, 1),
+    "arg_len": (0, 1), "arg_read": (2, 1),
+    "tokenize": (4, 1), "token_table_len": (0, 1), "token_table_read": (2, 1),
+    "log": (2, 0), "var_get": (4, 1), "var_set": (4, 1),
 }
 
 # Exports: the linear memory and these functions, name -> (i32 params, i32 results).
 MEMORY_EXPORT = "memory"
 FUNC_EXPORTS: dict[str, tuple[int, int]] = {
-    "rudder_abi_version": (0, 1),
-    "rudder_init": (0, 1),
-    "rudder_start": (0, 1),
-    "rudder_input": (1, 1),
-    "rudder_mid_process": (3, 1),
+    "rudder_abi_version": (0, 1), "rudder_init": (0, 1), "rudder_start": (0, 1),
+    "rudder_input": (1, 1), "rudder_mid_process": (3, 1),
 }
 
 # Keys of the `config` import, and the bits of its flags word.

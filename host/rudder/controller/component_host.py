@@ -8,7 +8,8 @@ environment, no arguments, no network). Two parts are ours instead of wasmtime's
   run repeats exactly; each instance (a request, a fork) has its own stream.
 
 Host functions are defined once per linker through the C API with cffi callbacks. A callback
-finds its caller's state through the store's data pointer (a cffi handle to its HostState).
+finds its caller's state through the store's data pointer (a cffi handle to its HostState, the
+same class as a core module's), and answers with the same logic (host_api.py).
 The C API's host functions are dynamically typed: a component could import `log` with any
 signature. Types are checked at load (component_module), and each callback still checks the
 kind of every argument before reading it, so a mismatch can never make the host read
@@ -17,18 +18,14 @@ memory it should not.
 
 from __future__ import annotations
 
-import random
 import threading
 
 import numpy as np
 
-from .abi import ABI_VERSION, CONFIG_ABI_VERSION, CONFIG_FLAGS, CONFIG_HEAL, CONFIG_MAX_FF_TOKENS, CONFIG_MAX_FORKS, \
-    FLAG_BACKTRACK, FLAG_FORKS
-from .component_capi import KIND, ffi, lib
-from .host_api import LOG_TRUNCATED, TOKENIZE_BYTES_SETUP, RequestContext
+from .capi import KIND, ffi, lib, take_error
+from .host_api import GuestFault, charge_tokenize, config_value, tokenize, var_set
 
-__all__ = ["ComponentHostState", "HOST_INTERFACE", "define_host", "RANDOM_INTERFACES", "bytes_to_wit",
-           "wit_to_bytes"]
+__all__ = ["HOST_INTERFACE", "define_host", "define_random", "RANDOM_INTERFACES", "bytes_to_wit", "wit_to_bytes"]
 
 HOST_INTERFACE = "rudder:controller/host@1.0.0"
 VAL_SIZE = ffi.sizeof("wasmtime_component_val_t")
@@ -49,56 +46,12 @@ def wit_to_bytes(utf8: bytes) -> bytes:
     return utf8.decode("utf-8").encode("latin-1")
 
 
-class ComponentHostState:
-    """What the host functions of one store see. `request` is None while init runs; its log
-    is then `log`. `seed` starts this instance's random stream."""
-
-    def __init__(self, runtime, request: RequestContext | None, seed: int):
-        self.runtime = runtime
-        self.request = request
-        self.log = bytearray()
-        self.log_truncated = False
-        self.tokenize_cap = TOKENIZE_BYTES_SETUP
-        self.tokenized_bytes = 0
-        self.host_error: str | None = None
-        self.host_error_kind = "trap"
-        self.rng = random.Random(seed)
-
-    @property
-    def limits(self):
-        return self.request.limits if self.request is not None else self.runtime.limits
-
-    def append_log(self, data: bytes) -> None:
-        if self.request is not None:
-            self.request.append_log(data)
-            return
-        if self.log_truncated:
-            return
-        room = self.limits.max_log_bytes - len(self.log)
-        if len(data) <= room:
-            self.log += data
-        else:
-            self.log += data[:max(room, 0)] + LOG_TRUNCATED
-            self.log_truncated = True
-
-    def log_bytes(self) -> bytes:
-        return bytes(self.request.log) if self.request is not None else bytes(self.log)
-
-
-class _Fault(Exception):
-    """A guest's call of an import that must trap it (kind: the request's error kind)."""
-
-    def __init__(self, message: str, kind: str = "trap"):
-        super().__init__(message)
-        self.kind = kind
-
-
 # ----------------------------------------------------------------------------- values
 
 def _arg_string(args, i: int, name: str) -> bytes:
     v = args[i]
     if v.kind != KIND["STRING"]:
-        raise _Fault(f"{name}: argument {i} is not a string")
+        raise GuestFault(f"{name}: argument {i} is not a string")
     s = v.of.string
     return ffi.unpack(ffi.cast("char *", s.data), s.size) if s.size else b""
 
@@ -106,21 +59,28 @@ def _arg_string(args, i: int, name: str) -> bytes:
 def _arg_u32(args, i: int, name: str) -> int:
     v = args[i]
     if v.kind != KIND["U32"]:
-        raise _Fault(f"{name}: argument {i} is not a u32")
+        raise GuestFault(f"{name}: argument {i} is not a u32")
     return v.of.u32
 
 
-def _arg_u32_list(args, i: int, name: str) -> np.ndarray:
-    v = args[i]
-    if v.kind != KIND["LIST"]:
-        raise _Fault(f"{name}: argument {i} is not a list")
-    lst = v.of.list
+def u32_list(val) -> np.ndarray | None:
+    """The numbers of a list<u32> value (one strided view, no loop); None if it is not one."""
+    if val.kind != KIND["LIST"]:
+        return None
+    lst = val.of.list
     if lst.size == 0:
         return np.zeros(0, dtype=np.uint32)
     raw = np.frombuffer(ffi.buffer(lst.data, VAL_SIZE * lst.size), dtype=np.uint8).reshape(lst.size, VAL_SIZE)
     if not (raw[:, 0] == KIND["U32"]).all():
-        raise _Fault(f"{name}: argument {i} is not a list<u32>")
+        return None
     return raw[:, 8:12].copy().view("<u4").reshape(-1)
+
+
+def _arg_u32_list(args, i: int, name: str) -> np.ndarray:
+    tokens = u32_list(args[i])
+    if tokens is None:
+        raise GuestFault(f"{name}: argument {i} is not a list<u32>")
+    return tokens
 
 
 def _new_list(n: int, kind: int, width: int):
@@ -185,14 +145,8 @@ def _eos_token(st, args, res):
 
 
 def _config(st, args, res):
-    key = _arg_u32(args, 0, "config")
-    lim = st.limits
-    value = {CONFIG_ABI_VERSION: ABI_VERSION, CONFIG_MAX_FORKS: lim.max_forks, CONFIG_MAX_FF_TOKENS: lim.max_ff_tokens,
-             CONFIG_FLAGS: (FLAG_FORKS if lim.max_forks > 1 else 0)
-             | (FLAG_BACKTRACK if st.runtime.backtrack_allowed else 0),
-             CONFIG_HEAL: st.request.heal if st.request is not None else 0}.get(key, -1)
     res[0].kind = KIND["S32"]
-    res[0].of.s32 = value
+    res[0].of.s32 = config_value(st, _arg_u32(args, 0, "config"))
 
 
 def _arg(st, args, res):
@@ -201,18 +155,8 @@ def _arg(st, args, res):
 
 def _tokenize(st, args, res):
     text = _arg_string(args, 0, "tokenize")
-    n = len(text)
-    if n > st.tokenize_cap:
-        where = "in a step" if st.tokenize_cap < TOKENIZE_BYTES_SETUP else "at set-up"
-        raise _Fault(f"rudder.tokenize: text of {n} bytes is over the {st.tokenize_cap} bytes one call may "
-                     f"tokenize {where}", "limit")
-    holder = st.request if st.request is not None else st
-    budget = st.limits.max_tokenize_bytes
-    if holder.tokenized_bytes + n > budget:
-        raise _Fault(f"rudder.tokenize: the request's tokenize budget of {budget} bytes is spent "
-                     f"({holder.tokenized_bytes} used, {n} more asked)", "limit")
-    holder.tokenized_bytes += n
-    set_u32_list(res[0], st.runtime.tokenizer.encode_without_gil(text.decode("utf-8")))
+    charge_tokenize(st, len(text))
+    set_u32_list(res[0], tokenize(st, text.decode("utf-8")))
 
 
 def _token_table(st, args, res):
@@ -222,7 +166,7 @@ def _token_table(st, args, res):
 def _detokenize(st, args, res):
     ids = _arg_u32_list(args, 0, "detokenize")
     if len(ids) > st.runtime.vocab_size * 4 + 65536:
-        raise _Fault("rudder.detokenize: too many tokens at once")
+        raise GuestFault("rudder.detokenize: too many tokens at once")
     pieces = st.runtime.token_pieces
     out = b"".join(pieces[t] if t < len(pieces) else b"" for t in ids.tolist())
     set_string(res[0], bytes_to_wit(out))
@@ -244,11 +188,9 @@ def _var_set(st, args, res):
     try:
         value = wit_to_bytes(_arg_string(args, 1, "var-set"))
     except ValueError:
-        raise _Fault("rudder.var-set: the value is not a bytes string (a char past U+00FF)") from None
-    ok = st.request is not None and len(key) + len(value) <= st.request.limits.max_var_bytes \
-        and st.request.var_set(key, value)
+        raise GuestFault("rudder.var-set: the value is not a bytes string (a char past U+00FF)") from None
     res[0].kind = KIND["BOOL"]
-    res[0].of.boolean = bool(ok)
+    res[0].of.boolean = var_set(st, key, value)
 
 
 HOST_FUNCS = {
@@ -263,10 +205,10 @@ HOST_FUNCS = {
 def _random_bytes(st, args, res):
     v = args[0]
     if v.kind != KIND["U64"]:
-        raise _Fault("get-random-bytes: the length is not a u64")
+        raise GuestFault("get-random-bytes: the length is not a u64")
     n = v.of.u64
     if n > 1 << 20:  # the guest asks for its own entropy: a MiB is far more than any needs
-        raise _Fault(f"wasi:random: {n} random bytes asked in one call (at most 1 MiB)")
+        raise GuestFault(f"wasi:random: {n} random bytes asked in one call (at most 1 MiB)")
     set_u8_list(res[0], st.rng.randbytes(n))
 
 
@@ -298,7 +240,7 @@ def _make_callback(name: str, handler):
             st = ffi.from_handle(lib.wasmtime_context_get_data(ctx))
             handler(st, args, results)
             return ffi.NULL
-        except _Fault as e:
+        except GuestFault as e:
             _reset(results, nresults)
             return _trap(st, str(e), e.kind)
         except BaseException as e:  # a host bug must not unwind through wasm frames
@@ -316,8 +258,8 @@ def _reset(results, n: int) -> None:
 
 
 def _trap(st, message: str, kind: str = "trap"):
-    if st is not None and st.host_error is None:
-        st.host_error, st.host_error_kind = message, kind
+    if st is not None:
+        st.fault(message, kind)
     return lib.wasmtime_error_new(message.encode("utf-8", "replace"))
 
 
@@ -344,8 +286,6 @@ def _instance(linker, name: str):
         raw = name.encode()
         err = lib.wasmtime_component_linker_instance_add_instance(root, raw, len(raw), out)
         if err:
-            from .component_capi import take_error
-
             raise RuntimeError(f"cannot define {name}: {take_error(err)}")
         return out[0]
     finally:
@@ -356,8 +296,6 @@ def _add(li, name: str, cb) -> None:
     raw = name.encode()
     err = lib.wasmtime_component_linker_instance_add_func(li, raw, len(raw), cb, ffi.NULL, ffi.NULL)
     if err:
-        from .component_capi import take_error
-
         raise RuntimeError(f"cannot define {name}: {take_error(err)}")
 
 
@@ -365,8 +303,6 @@ def define_host(linker) -> None:
     """WASI (nothing granted) and `rudder:controller/host` on a component linker."""
     err = lib.wasmtime_component_linker_add_wasip2(linker)
     if err:
-        from .component_capi import take_error
-
         raise RuntimeError(f"cannot link WASI: {take_error(err)}")
     lib.wasmtime_component_linker_allow_shadowing(linker, True)
     li = _instance(linker, HOST_INTERFACE)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..branch import Branch, mask_words
-from .component_capi import KIND, ffi
-from .errors import ControllerError
+from ..branch import Branch
+from .capi import KIND, ffi
+from .component_host import u32_list
+from .result import BranchRules, Invalid
 
 __all__ = ["StepDecoder", "HandOff", "read_failure", "read_string"]
 
-VAL_SIZE = ffi.sizeof("wasmtime_component_val_t")
 
 
 class HandOff:
@@ -29,15 +29,9 @@ class HandOff:
         self.controller, self.arg = controller, arg
 
 
-class _Invalid(Exception):
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
 def read_string(val) -> bytes:
     if val.kind != KIND["STRING"]:
-        raise _Invalid("invalid_result", "a value that should be a string is not")
+        raise Invalid("invalid_result", "a value that should be a string is not")
     s = val.of.string
     return ffi.unpack(ffi.cast("char *", s.data), s.size) if s.size else b""
 
@@ -48,7 +42,7 @@ def _name(name) -> bytes:
 
 def _variant(val) -> tuple[bytes, object]:
     if val.kind != KIND["VARIANT"]:
-        raise _Invalid("invalid_result", "a value that should be a variant is not")
+        raise Invalid("invalid_result", "a value that should be a variant is not")
     var = val.of.variant
     return _name(var.discriminant), var.val
 
@@ -61,27 +55,14 @@ def read_failure(val) -> tuple[str, str]:
 
 
 def _u32s(val, what: str) -> np.ndarray:
-    if val.kind != KIND["LIST"]:
-        raise _Invalid("invalid_result", f"{what} is not a list")
-    lst = val.of.list
-    if lst.size == 0:
-        return np.zeros(0, dtype=np.uint32)
-    raw = np.frombuffer(ffi.buffer(lst.data, VAL_SIZE * lst.size), dtype=np.uint8).reshape(lst.size, VAL_SIZE)
-    if not (raw[:, 0] == KIND["U32"]).all():
-        raise _Invalid("invalid_result", f"{what} is not a list<u32>")
-    return raw[:, 8:12].copy().view("<u4").reshape(-1)
+    tokens = u32_list(val)
+    if tokens is None:
+        raise Invalid("invalid_result", f"{what} is not a list<u32>")
+    return tokens
 
 
-class StepDecoder:
-    """Decodes `step` values for one vocabulary and one set of limits."""
-
-    def __init__(self, vocab_size: int, max_forks: int, max_ff_tokens: int):
-        self.vocab = vocab_size
-        self.mask_bytes = 4 * mask_words(vocab_size)
-        self._zeros = bytes(self.mask_bytes)
-        self.tail_bits = vocab_size % 32
-        self.max_forks = max_forks
-        self.max_ff = max_ff_tokens
+class StepDecoder(BranchRules):
+    """Lifts a component's `step` values into Branch records."""
 
     def decode(self, val, log_tail) -> "list[Branch] | HandOff":
         try:
@@ -89,31 +70,30 @@ class StepDecoder:
             if case == b"hand-off":
                 return self._hand_off(payload[0])
             if case != b"branches":
-                raise _Invalid("invalid_result", f"an unknown step {case!r}")
+                raise Invalid("invalid_result", f"an unknown step {case!r}")
             return self._branches(payload[0])
-        except _Invalid as e:
-            what = "an invalid result" if e.kind == "invalid_result" else "a result over a limit"
-            raise ControllerError(e.kind, f"mid-process returned {what}: {e}", log_tail()) from None
+        except Invalid as e:
+            raise self.refusal(e, "mid-process", log_tail()) from None
 
     def _hand_off(self, val) -> HandOff:
         if val.kind != KIND["RECORD"] or val.of.record.size != 2:
-            raise _Invalid("invalid_result", "a hand-off that is not a record")
+            raise Invalid("invalid_result", "a hand-off that is not a record")
         rec = val.of.record.data
         try:
             name = read_string(rec[0].val).decode("utf-8")
             arg = read_string(rec[1].val).decode("utf-8")
         except UnicodeDecodeError:
-            raise _Invalid("invalid_result", "a hand-off whose text is not UTF-8") from None
+            raise Invalid("invalid_result", "a hand-off whose text is not UTF-8") from None
         return HandOff(name, arg)
 
     def _branches(self, val) -> list[Branch]:
         if val.kind != KIND["LIST"]:
-            raise _Invalid("invalid_result", "branches that are not a list")
+            raise Invalid("invalid_result", "branches that are not a list")
         n = val.of.list.size
         if n == 0:
             return []
         if n > self.max_forks:
-            raise _Invalid("limit", f"{n} branches, over the limit of {self.max_forks}")
+            raise Invalid("limit", f"{n} branches, over the limit of {self.max_forks}")
         items = val.of.list.data
         out = []
         ff_left = self.max_ff
@@ -121,15 +101,15 @@ class StepDecoder:
             where = f"branch {i}: " if n > 1 else ""
             rec = items[i]
             if rec.kind != KIND["RECORD"] or rec.of.record.size != 3:
-                raise _Invalid("invalid_result", f"{where}not a branch record")
+                raise Invalid("invalid_result", f"{where}not a branch record")
             fields = rec.of.record.data
             bt = fields[0].val
             if bt.kind != KIND["U32"]:
-                raise _Invalid("invalid_result", f"{where}backtrack is not a u32")
+                raise Invalid("invalid_result", f"{where}backtrack is not a u32")
             backtrack = bt.of.u32
             opt = fields[1].val
             if opt.kind != KIND["OPTION"]:
-                raise _Invalid("invalid_result", f"{where}mask is not an option")
+                raise Invalid("invalid_result", f"{where}mask is not an option")
             mask = self._mask(opt.of.option[0], where) if opt.of.option != ffi.NULL else None
             ff, used = self._ff(fields[2].val, where, mask is not None, backtrack, ff_left)
             ff_left -= used
@@ -141,27 +121,27 @@ class StepDecoder:
         try:
             raw = utf8 if len(utf8) == self.mask_bytes and utf8.isascii() else utf8.decode("utf-8").encode("latin-1")
         except (UnicodeDecodeError, UnicodeEncodeError):
-            raise _Invalid("invalid_result", f"{where}mask is not a bytes string (a char past U+00FF)") from None
+            raise Invalid("invalid_result", f"{where}mask is not a bytes string (a char past U+00FF)") from None
         if len(raw) != self.mask_bytes:
-            raise _Invalid("invalid_result", f"{where}mask is {len(raw)} bytes; the vocabulary of {self.vocab} "
+            raise Invalid("invalid_result", f"{where}mask is {len(raw)} bytes; the vocabulary of {self.vocab} "
                            f"tokens needs {self.mask_bytes}")
         mask = np.frombuffer(raw, dtype="<u4")
         if self.tail_bits and int(mask[-1]) >> self.tail_bits:
-            raise _Invalid("invalid_result", f"{where}mask allows token ids at or past the vocabulary size {self.vocab}")
+            raise Invalid("invalid_result", f"{where}mask allows token ids at or past the vocabulary size {self.vocab}")
         if raw == self._zeros:
-            raise _Invalid("invalid_result", f"{where}mask allows no token at all")
+            raise Invalid("invalid_result", f"{where}mask allows no token at all")
         return mask
 
     def _ff(self, val, where: str, masked: bool, backtrack: int, ff_left: int) -> tuple[list[list[int]], int]:
         if val.kind != KIND["LIST"]:
-            raise _Invalid("invalid_result", f"{where}ff is not a list")
+            raise Invalid("invalid_result", f"{where}ff is not a list")
         n_ff = val.of.list.size
         if n_ff == 0:
             return [], 0
         if not masked and n_ff > 1:
-            raise _Invalid("invalid_result", f"{where}{n_ff} fast-forward lists without a mask (only one is allowed)")
+            raise Invalid("invalid_result", f"{where}{n_ff} fast-forward lists without a mask (only one is allowed)")
         if n_ff > ff_left:
-            raise _Invalid("limit", f"{where}{n_ff} fast-forward lists, over the limit of {self.max_ff} "
+            raise Invalid("limit", f"{where}{n_ff} fast-forward lists, over the limit of {self.max_ff} "
                            f"fast-forward tokens")
         items = val.of.list.data
         lists, total = [], 0
@@ -169,15 +149,15 @@ class StepDecoder:
             tokens = _u32s(items[j], f"{where}fast-forward list {j}")
             total += len(tokens)
             if total > ff_left:
-                raise _Invalid("limit", f"{where}{total} fast-forward tokens, over the limit of {self.max_ff} per step")
+                raise Invalid("limit", f"{where}{total} fast-forward tokens, over the limit of {self.max_ff} per step")
             if len(tokens) == 0:
                 if masked:
-                    raise _Invalid("invalid_result", f"{where}fast-forward list {j} is empty (lists under a mask "
+                    raise Invalid("invalid_result", f"{where}fast-forward list {j} is empty (lists under a mask "
                                    f"must not be)")
                 if backtrack == 0:
-                    raise _Invalid("invalid_result", f"{where}empty fast-forward without a backtrack (it would do nothing)")
+                    raise Invalid("invalid_result", f"{where}empty fast-forward without a backtrack (it would do nothing)")
             elif int(tokens.max()) >= self.vocab:
-                raise _Invalid("invalid_result", f"{where}fast-forward list {j} holds token id {int(tokens.max())}, "
+                raise Invalid("invalid_result", f"{where}fast-forward list {j} holds token id {int(tokens.max())}, "
                                f"outside the vocabulary (0..{self.vocab - 1})")
             lists.append(tokens.tolist())
         return lists, total

@@ -16,8 +16,9 @@ import wasmtime
 from wasmtime import component as wc
 
 from .errors import ControllerError
+from .wasm_shape import read_sizes
 
-__all__ = ["check_component", "render", "EXPECTED_EXPORTS", "EXPECTED_HOST", "count_memories"]
+__all__ = ["check_component", "render", "EXPECTED_EXPORTS", "EXPECTED_HOST"]
 
 HOST = "rudder:controller/host@1.0.0"
 TYPES = "rudder:controller/types@1.0.0"  # only types: the host provides nothing there
@@ -91,7 +92,8 @@ def _kind(item) -> str:
 
 def check_component(component, engine: wasmtime.Engine, data: bytes) -> tuple[list[str], int]:
     """Check a compiled component against wit/controller.wit; return the versioned names of
-    the `wasi:random` interfaces it imports (the host replaces them) and its memory count.
+    the `wasi:random` interfaces it imports (the host replaces them) and the number of linear
+    memories its core modules define (each counts in the guest memory budget at the memory limit).
     Raises ControllerError (bad_import, bad_module)."""
     ctype = component.type
     random_imports = []
@@ -121,8 +123,7 @@ def check_component(component, engine: wasmtime.Engine, data: bytes) -> tuple[li
         if got != want:
             raise ControllerError("bad_module", f"the component's export {name} has type {got}, but "
                                   f"wit/controller.wit says {want}")
-    memories = count_memories(data)
-    return random_imports, memories
+    return random_imports, max(1, read_sizes(data).memories)
 
 
 def _check_types_only(item, engine) -> None:
@@ -147,43 +148,3 @@ def _check_host(item, engine) -> None:
         got = render(ext.ty) if isinstance(ext.ty, wc.FuncType) else _kind(ext.ty)
         if got != want:
             raise ControllerError("bad_import", f"the component imports {HOST}.{name} with type {got}, but it is {want}")
-
-
-def _leb(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data) or shift > 35:
-            raise ValueError("malformed LEB128")
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-
-
-def count_memories(data: bytes) -> int:
-    """Linear memories defined by the core modules nested in a component (the bytes are valid:
-    wasmtime compiled them). Each counts in the guest memory budget at the memory limit."""
-    total = 0
-
-    def walk(d: bytes, component: bool) -> None:
-        nonlocal total
-        pos = 8
-        while pos < len(d):
-            section = d[pos]
-            size, start = _leb(d, pos + 1)
-            end = start + size
-            if component and section == 1:      # a core module
-                walk(d[start:end], False)
-            elif component and section == 4:    # a nested component
-                walk(d[start:end], True)
-            elif not component and section == 5:  # a core module's memory section
-                total += _leb(d, start)[0]
-            pos = end
-
-    try:
-        walk(data, True)
-    except (ValueError, IndexError):
-        raise ControllerError("bad_module", "cannot read the component's core modules") from None
-    return total

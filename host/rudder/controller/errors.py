@@ -40,6 +40,11 @@ class ControllerError(Exception):
         self.log_tail = log_tail
         self.busy = busy  # a shared resource is in use right now: the same request may succeed later (429)
 
+    def detached(self) -> "ControllerError":
+        """A copy without the traceback, for keeping: a traceback holds the frames that raised,
+        and with them instances, guest memory and module bytes."""
+        return ControllerError(self.kind, str(self), self.log_tail, self.busy)
+
     @staticmethod
     def tail_of(log: bytes | bytearray) -> str:
         """The last ~2 KiB of a log as text (a split UTF-8 character becomes U+FFFD)."""

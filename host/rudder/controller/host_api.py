@@ -1,9 +1,12 @@
-"""The `rudder` import module: the host functions a controller may call (docs/abi.md).
+"""The host side of every controller: what all forks of a request share (RequestContext), what
+each store's host functions see (HostState), the logic of the host functions whatever carries
+them (config, tokenize budgets, variables, the log), and the `rudder` import module of a core
+module (docs/abi.md). A component's imports carry the same logic (component_host.py).
 
-They are defined once per runtime on a wasmtime Linker, store-independently, through
-`wasmtime_linker_define_func_unchecked` with cffi callbacks (~3 us a call instead of ~20 us
-for wasmtime-py's generic trampoline). A callback finds its caller's state through the
-store's data pointer, which holds a cffi handle to that store's `HostState`.
+Core imports are defined once per runtime on a wasmtime Linker, store-independently, through
+`wasmtime_linker_define_func_unchecked` with cffi callbacks (far cheaper a call than
+wasmtime-py's generic trampoline). A callback finds its caller's state through the store's
+data pointer, which holds a cffi handle to that store's `HostState`.
 
 Every pointer/length the guest passes is bounds-checked against its memory; a bad one traps
 the guest (the request fails with a message naming the import), it never reads or writes
@@ -12,22 +15,24 @@ host memory. Imports are not on the per-token hot path, except perhaps var_get/v
 
 from __future__ import annotations
 
+import random
 import threading
-from dataclasses import dataclass, field
 
 import wasmtime
 
 from .abi import (ABI_VERSION, CONFIG_ABI_VERSION, CONFIG_FLAGS, CONFIG_HEAL, CONFIG_MAX_FF_TOKENS, CONFIG_MAX_FORKS,
                   FLAG_BACKTRACK, FLAG_FORKS, IMPORT_MODULE, IMPORTS)
-from .fastcall import EXTERN_MEMORY, ffi, lib, addr
+from .capi import EXTERN_MEMORY, addr, ffi, lib, take_error
+from .errors import ControllerError
 from .limits import Limits
 
-__all__ = ["HostState", "RequestContext", "define_imports", "check_imports"]
+__all__ = ["HostState", "RequestContext", "GuestFault", "config_value", "charge_tokenize", "tokenize", "var_set",
+           "define_imports", "check_imports"]
 
 LOG_TRUNCATED = b"\n[log truncated]\n"
 # Text one `tokenize` call may take: an import cannot be interrupted, so its input bounds how
-# long it runs (worst case, one token per byte: ~5 us a byte here). rudder_init/rudder_start
-# may tokenize more at once than a step, whose budget is tens of milliseconds.
+# long it runs (worst case, one token per byte). init and start may tokenize more at once than
+# a step, whose budget is tens of milliseconds.
 TOKENIZE_BYTES_SETUP = 256 << 10
 TOKENIZE_BYTES_STEP = 16 << 10
 
@@ -35,11 +40,13 @@ TOKENIZE_BYTES_STEP = 16 << 10
 class RequestContext:
     """What all forks of one request share: the argument, the shared variables, the log,
     the limits and the number of live sequences. Host imports may run on several threads
-    at once (forks of one request run in parallel), hence the lock."""
+    at once (forks of one request run in parallel), hence the lock. `seed` seeds a
+    component's WASI random (None: it derives from the argument)."""
 
-    def __init__(self, arg: bytes, limits: Limits):
+    def __init__(self, arg: bytes, limits: Limits, seed: int | None = None):
         self.arg = arg
         self.limits = limits
+        self.seed = seed
         self.vars: dict[bytes, bytes] = {}
         self.var_bytes = 0
         self.tokenized_bytes = 0  # text given to `tokenize` by all its forks
@@ -87,33 +94,104 @@ def _append_bounded(holder, data, limit: int) -> None:
     holder.log_truncated = True
 
 
-@dataclass(eq=False)
 class HostState:
-    """Per-store state the host functions see. `request` is None while rudder_init runs
-    (there is no request yet); the log then goes to its own `log`."""
+    """Per-store state the host functions see, for a core module and a component alike.
+    `request` is None while init runs (there is no request yet): the log, the limits and the
+    tokenize budget are then the state's own. `seed` starts a component's random stream."""
 
-    runtime: object  # the ControllerRuntime's _Shared: tokenizer, token table, limits
-    request: RequestContext | None = None
-    memory: object = None  # wasmtime_memory_t of the instance, set after instantiation
-    host_error: str | None = None  # why an import trapped the guest
-    host_error_kind: str = "trap"  # ... and the request's error kind ("limit" for a spent budget)
-    log: bytearray = field(default_factory=bytearray)  # rudder_init's log
-    log_truncated: bool = False
-    tokenize_cap: int = TOKENIZE_BYTES_SETUP  # one tokenize call's text (Controller lowers it for steps)
-    tokenized_bytes: int = 0  # rudder_init's tokenize text (no request to count it yet)
+    def __init__(self, runtime, request: RequestContext | None = None, seed: int | None = None):
+        self.runtime = runtime  # the ControllerRuntime's _Shared: tokenizer, token table, limits
+        self.request = request
+        self.memory = None  # a core instance's wasmtime_memory_t, set after instantiation
+        self.host_error: str | None = None  # why an import trapped the guest
+        self.host_error_kind = "trap"  # ... and the request's error kind ("limit" for a spent budget)
+        self.log = bytearray()  # init's log
+        self.log_truncated = False
+        self.tokenize_cap = TOKENIZE_BYTES_SETUP  # one tokenize call's text (a step lowers it)
+        self.tokenized_bytes = 0  # init's tokenize text (no request to count it yet)
+        self.rng = random.Random(seed) if seed is not None else None
+
+    @property
+    def limits(self) -> Limits:
+        return self.request.limits if self.request is not None else self.runtime.limits
+
+    def append_log(self, data: bytes) -> None:
+        if self.request is not None:
+            self.request.append_log(data)
+        else:
+            _append_bounded(self, data, self.limits.max_log_bytes)
+
+    def log_tail(self) -> str:
+        """The end of the log (the request's, or init's), for an error message."""
+        return ControllerError.tail_of(self.request.log if self.request is not None else self.log)
+
+    def fault(self, message: str, kind: str = "trap") -> None:
+        """Record why a host function traps the guest (the first reason stands)."""
+        if self.host_error is None:
+            self.host_error, self.host_error_kind = message, kind
 
 
-class _GuestFault(Exception):
-    """A guest passed a bad argument to an import: trap it with this message."""
+class GuestFault(Exception):
+    """A guest's call of a host function that must trap it; `kind`: the request's error kind."""
 
-    kind = "trap"
+    def __init__(self, message: str, kind: str = "trap"):
+        super().__init__(message)
+        self.kind = kind
 
 
-class _GuestOverBudget(_GuestFault):
-    """An import would exceed a per-request budget: the request fails with kind `limit`."""
+# ----------------------------------------------------------------------------- host logic
+# What a host function answers, whatever the calling convention that carries it.
 
-    kind = "limit"
+def config_value(state: HostState, key: int) -> int:
+    """The `config` import: the ABI version, this request's limits, flags, token healing."""
+    limits = state.limits
+    if key == CONFIG_ABI_VERSION:
+        return ABI_VERSION
+    if key == CONFIG_MAX_FORKS:
+        return limits.max_forks
+    if key == CONFIG_MAX_FF_TOKENS:
+        return limits.max_ff_tokens
+    if key == CONFIG_FLAGS:
+        return (FLAG_FORKS if limits.max_forks > 1 else 0) | (FLAG_BACKTRACK if state.runtime.backtrack_allowed else 0)
+    if key == CONFIG_HEAL:
+        return state.request.heal if state.request is not None else 0
+    return -1
 
+
+def charge_tokenize(state: HostState, length: int) -> None:
+    """Count `length` bytes of text to tokenize, before any work: one call's cap (a call cannot
+    be interrupted) and the request's budget; GuestFault(kind limit) past either."""
+    if length > state.tokenize_cap:
+        where = "in a step" if state.tokenize_cap < TOKENIZE_BYTES_SETUP else "at set-up"
+        raise GuestFault(f"rudder.tokenize: text of {length} bytes is over the {state.tokenize_cap} bytes one call "
+                         f"may tokenize {where}", "limit")
+    holder = state.request if state.request is not None else state
+    budget = state.limits.max_tokenize_bytes
+    if holder.tokenized_bytes + length > budget:
+        raise GuestFault(f"rudder.tokenize: the request's tokenize budget of {budget} bytes is spent "
+                         f"({holder.tokenized_bytes} used, {length} more asked)", "limit")
+    holder.tokenized_bytes += length
+
+
+def tokenize(state: HostState, text: str) -> list[int]:
+    """Token ids of text already charged. encode_without_gil lets go of the GIL while it works:
+    the server's event loop and the engine go on meanwhile. It runs on this thread
+    (rudder.tokenizer turns the tokenizers library's thread pool off), so its CPU time counts
+    against the calling hook's deadline."""
+    return state.runtime.tokenizer.encode_without_gil(text)
+
+
+def var_set(state: HostState, key: bytes, value: bytes) -> bool:
+    """The `var_set` import: False during init and when over the request's limit."""
+    request = state.request
+    return request is not None and len(key) + len(value) <= request.limits.max_var_bytes \
+        and request.var_set(key, value)
+
+
+# ----------------------------------------------------------------------------- core modules
+# The `rudder` import module of a core module: i32 arguments in raw value slots, data in the
+# guest's memory. Each import takes (state, caller, ctx, vals) and returns the i32 result (or
+# None for no result).
 
 def _memory(state: HostState, caller, ctx):
     """(base pointer, size) of the caller's memory."""
@@ -121,7 +199,7 @@ def _memory(state: HostState, caller, ctx):
     if mem is None:  # before the host looked it up (cannot happen without a start function)
         ext = ffi.new("wasmtime_extern_t *")
         if not lib.wasmtime_caller_export_get(caller, b"memory", 6, ext) or ext.kind != EXTERN_MEMORY:
-            raise _GuestFault("the controller exports no memory")
+            raise GuestFault("the controller exports no memory")
         mem = ffi.new("wasmtime_memory_t *", ext.of.memory)
         state.memory = mem
     return lib.wasmtime_memory_data(ctx, mem), lib.wasmtime_memory_data_size(ctx, mem)
@@ -132,7 +210,7 @@ def _span(name: str, what: str, ptr: int, length: int, size: int) -> int:
     memory (`length` is already a non-negative byte count)."""
     ptr &= 0xFFFFFFFF
     if ptr + length > size:
-        raise _GuestFault(f"rudder.{name}: {what} [{ptr:#x}, +{length}) lies outside the "
+        raise GuestFault(f"rudder.{name}: {what} [{ptr:#x}, +{length}) lies outside the "
                           f"controller's memory ({size} bytes)")
     return ptr
 
@@ -146,9 +224,6 @@ def _write(base, ptr: int, data: bytes) -> None:
         ffi.memmove(base + ptr, data, len(data))
 
 
-# ----------------------------------------------------------------------------- the imports
-# Each takes (state, caller, ctx, vals) and returns the i32 result (or None for no result).
-
 def _vocab_size(state, caller, ctx, vals):
     return state.runtime.vocab_size
 
@@ -159,20 +234,7 @@ def _eos_token(state, caller, ctx, vals):
 
 
 def _config(state, caller, ctx, vals):
-    limits = state.request.limits if state.request is not None else state.runtime.limits
-    key = vals[0].i32
-    if key == CONFIG_ABI_VERSION:
-        return ABI_VERSION
-    if key == CONFIG_MAX_FORKS:
-        return limits.max_forks
-    if key == CONFIG_MAX_FF_TOKENS:
-        return limits.max_ff_tokens
-    if key == CONFIG_FLAGS:
-        forks = limits.max_forks > 1
-        return (FLAG_FORKS if forks else 0) | (FLAG_BACKTRACK if state.runtime.backtrack_allowed else 0)
-    if key == CONFIG_HEAL:
-        return state.request.heal if state.request is not None else 0
-    return -1
+    return config_value(state, vals[0].i32)
 
 
 def _arg_len(state, caller, ctx, vals):
@@ -193,25 +255,13 @@ def _arg_read(state, caller, ctx, vals):
 def _tokenize(state, caller, ctx, vals):
     base, size = _memory(state, caller, ctx)
     length = vals[1].i32 & 0xFFFFFFFF
-    # Budgets first, before any work: one call's text (it cannot be interrupted) and the request's.
-    if length > state.tokenize_cap:
-        raise _GuestOverBudget(f"rudder.tokenize: text of {length} bytes is over the {state.tokenize_cap} "
-                               f"bytes one call may tokenize {'in a step' if state.tokenize_cap < TOKENIZE_BYTES_SETUP else 'at set-up'}")
-    holder = state.request if state.request is not None else state
-    budget = state.runtime.limits.max_tokenize_bytes if state.request is None else state.request.limits.max_tokenize_bytes
-    if holder.tokenized_bytes + length > budget:
-        raise _GuestOverBudget(f"rudder.tokenize: the request's tokenize budget of {budget} bytes is spent "
-                               f"({holder.tokenized_bytes} used, {length} more asked)")
-    holder.tokenized_bytes += length
+    charge_tokenize(state, length)
     text_ptr = _span("tokenize", "text", vals[0].i32, length, size)
     try:
         text = _read(base, text_ptr, length).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _GuestFault(f"rudder.tokenize: text is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    # encode_without_gil lets go of the GIL while it works: the server's event loop and the
-    # engine go on meanwhile. It runs on this thread (rudder.tokenizer turns the tokenizers
-    # library's thread pool off), so its CPU time counts against this call's deadline.
-    ids = state.runtime.tokenizer.encode_without_gil(text)
+        raise GuestFault(f"rudder.tokenize: text is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    ids = tokenize(state, text)
     n = min(len(ids), vals[3].i32 & 0xFFFFFFFF)
     if n:
         dst = _span("tokenize", "destination", vals[2].i32, 4 * n, size)
@@ -237,16 +287,11 @@ def _log(state, caller, ctx, vals):
     length = vals[1].i32 & 0xFFFFFFFF
     ptr = _span("log", "text", vals[0].i32, length, size)
     holder = state.request if state.request is not None else state
-    limit = (state.request.limits if state.request is not None else state.runtime.limits).max_log_bytes
     if holder.log_truncated:  # cheap exit for log spam: no copy at all
         return None
     # Copy only what can still be kept (a 1 GB log call costs no more than the limit).
-    keep = min(length, max(limit - len(holder.log), 0) + 1)
-    data = _read(base, ptr, keep)
-    if holder is state:
-        _append_bounded(state, data, limit)
-    else:
-        holder.append_log(data)
+    keep = min(length, max(state.limits.max_log_bytes - len(holder.log), 0) + 1)
+    state.append_log(_read(base, ptr, keep))
     return None
 
 
@@ -275,9 +320,8 @@ def _var_set(state, caller, ctx, vals):
     key_ptr = _span("var_set", "key", vals[0].i32, klen, size)
     val_ptr = _span("var_set", "value", vals[2].i32, vlen, size)
     if klen + vlen > state.request.limits.max_var_bytes:
-        return -1
-    ok = state.request.var_set(_read(base, key_ptr, klen), _read(base, val_ptr, vlen))
-    return 0 if ok else -1
+        return -1  # (before reading either)
+    return 0 if var_set(state, _read(base, key_ptr, klen), _read(base, val_ptr, vlen)) else -1
 
 
 _HANDLERS = {
@@ -290,9 +334,8 @@ assert _HANDLERS.keys() == IMPORTS.keys()
 
 
 def _trap(state: HostState | None, message: str, kind: str = "trap"):
-    if state is not None and state.host_error is None:
-        state.host_error = message
-        state.host_error_kind = kind
+    if state is not None:
+        state.fault(message, kind)
     data = message.encode("utf-8", "replace")
     return lib.wasmtime_trap_new(data, len(data))
 
@@ -309,7 +352,7 @@ def _make_callback(name: str, handler):
             if has_result:
                 vals[0].i32 = result
             return ffi.NULL
-        except _GuestFault as e:
+        except GuestFault as e:
             return _trap(state, str(e), e.kind)
         except BaseException as e:  # a host bug must not unwind through wasm frames
             return _trap(state, f"rudder.{name}: host error: {type(e).__name__}: {e}")
@@ -332,7 +375,6 @@ def define_imports(linker: wasmtime.Linker) -> None:
             linker_p, IMPORT_MODULE.encode(), len(IMPORT_MODULE), name.encode(), len(name),
             ffi.cast("wasm_functype_t *", addr(ty.ptr())), _CALLBACKS[name], ffi.NULL, ffi.NULL)
         if err:
-            from .fastcall import take_error
             raise RuntimeError(f"cannot define rudder.{name}: {take_error(err)}")
 
 

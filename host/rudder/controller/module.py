@@ -1,4 +1,4 @@
-"""ControllerModule: a compiled, checked controller, and the checks themselves.
+"""The load-time checks of a core module.
 
 A module is checked once, when it is loaded: that it is a core wasm module, that it imports
 only the `rudder` host functions, and that it exports what docs/abi.md requires with the
@@ -7,57 +7,16 @@ right types. Later failures can then only come from what the guest *does*.
 
 from __future__ import annotations
 
-import threading
-
 import wasmtime
 
 from .abi import FUNC_EXPORTS, IMPORT_MODULE, IMPORTS, MEMORY_EXPORT
 from .errors import ControllerError
 from .host_api import check_imports
-from .wasm_shape import NUMERIC, ShapeError, read_shape
+from .wasm_shape import NUMERIC, ShapeError, read_shape, section_ids
 
-__all__ = ["ControllerModule", "check_binary", "check_shape", "inspect_exports"]
+__all__ = ["check_binary", "check_shape", "check_module", "inspect_exports"]
 
 _START_SECTION = 8
-
-
-class ControllerModule:
-    """A loaded controller: `sha256` (of the wasm bytes), `wasm_size`, `compiled_size` (bytes of
-    compiled code, as serialized). The other fields belong to the ControllerRuntime that loaded
-    it (`shared`) and are changed by it alone: the wasmtime module, its pre-linked form, the
-    exports it calls, and the post-init snapshot."""
-
-    def __init__(self, sha256: str, wasm_size: int, compiled_size: int, module: wasmtime.Module,
-                 pre: wasmtime.InstancePre, pre_ptr, mutable_globals: tuple[str, ...], shared):
-        self.sha256 = sha256
-        self.wasm_size = wasm_size
-        self.compiled_size = compiled_size
-        self.wasm_module = module
-        self.pre = pre          # keeps the wasmtime_instance_pre_t alive
-        self.pre_ptr = pre_ptr  # ... which cffi calls use
-        self.func_exports = tuple(FUNC_EXPORTS)
-        self.mutable_globals = mutable_globals
-        self.shared = shared    # the runtime it belongs to
-        self.init_lock = threading.Lock()  # one rudder_init at a time
-        self.snapshot = None    # set after a successful rudder_init
-        self.init_error: ControllerError | None = None  # a deterministic init failure
-
-    def __repr__(self) -> str:
-        return (f"ControllerModule(sha256={self.sha256[:12]}..., wasm_size={self.wasm_size}, "
-                f"compiled_size={self.compiled_size})")
-
-
-def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data) or shift > 28:
-            raise ValueError("malformed LEB128")
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
 
 
 def check_binary(wasm: bytes) -> None:
@@ -68,18 +27,10 @@ def check_binary(wasm: bytes) -> None:
         raise ControllerError("bad_module", "not a WebAssembly binary (no \\0asm header)")
     if wasm[4:8] != b"\x01\x00\x00\x00":
         raise ControllerError("bad_module", "not a core WebAssembly module (version "
-                              f"{wasm[4:8].hex()}); components are not supported")
-    pos = 8
-    try:
-        while pos < len(wasm):
-            section = wasm[pos]
-            size, pos = _leb_u32(wasm, pos + 1)
-            if section == _START_SECTION:
-                raise ControllerError("bad_module", "the module has a start function; controllers "
-                                      "must do their set-up in rudder_init")
-            pos += size
-    except ValueError:
-        pass  # malformed: the compiler reports it precisely
+                              f"{wasm[4:8].hex()}) nor a component")
+    if _START_SECTION in section_ids(wasm):
+        raise ControllerError("bad_module", "the module has a start function; controllers "
+                              "must do their set-up in rudder_init")
 
 
 def check_shape(wasm: bytes) -> None:

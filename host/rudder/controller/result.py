@@ -19,7 +19,7 @@ from ..branch import Branch, mask_words
 from .abi import BRANCH, RESULT, TOKENS
 from .errors import ControllerError
 
-__all__ = ["ResultDecoder"]
+__all__ = ["BranchRules", "Invalid", "ResultDecoder"]
 
 _FORMATS: dict[int, struct.Struct] = {}
 
@@ -31,21 +31,24 @@ def _words(n: int) -> struct.Struct:
     return s
 
 
-class _Invalid(Exception):
+class Invalid(Exception):
+    """An answer that breaks a rule of docs/abi.md (`kind` invalid_result) or a limit (`kind` limit)."""
+
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
 
 
-class _OutOfBounds(_Invalid):
+class _OutOfBounds(Invalid):
     """A pointer past the memory size we know; the guest may have grown its memory."""
 
     def __init__(self, message: str):
         super().__init__("invalid_result", message)
 
 
-class ResultDecoder:
-    """Decodes results for one vocabulary and one set of limits."""
+class BranchRules:
+    """What an answer may hold, for one vocabulary and one set of limits, whatever shape's
+    answer is read: each shape's decoder lifts its own form and checks it by these."""
 
     def __init__(self, vocab_size: int, max_forks: int, max_ff_tokens: int):
         self.vocab = vocab_size
@@ -56,6 +59,14 @@ class ResultDecoder:
         self.max_forks = max_forks
         self.max_ff = max_ff_tokens
 
+    def refusal(self, e: Invalid, hook: str, log_tail: str) -> ControllerError:
+        what = "an invalid result" if e.kind == "invalid_result" else "a result over a limit"
+        return ControllerError(e.kind, f"{hook} returned {what}: {e}", log_tail)
+
+
+class ResultDecoder(BranchRules):
+    """Reads a core module's rudder_result records out of its memory."""
+
     def decode(self, inst, ptr: int) -> list[Branch]:
         """The Branch list of the result at `ptr` in `inst`'s memory; raises ControllerError."""
         try:
@@ -65,23 +76,21 @@ class ResultDecoder:
                 if not inst.check_growth():
                     raise
                 return self._decode(inst, ptr)
-        except _Invalid as e:
-            what = "an invalid result" if e.kind == "invalid_result" else "a result over a limit"
-            raise ControllerError(e.kind, f"rudder_mid_process returned {what}: {e}",
-                                  inst.log_tail()) from None
+        except Invalid as e:
+            raise self.refusal(e, "rudder_mid_process", inst.log_tail()) from None
 
     def _decode(self, inst, ptr: int) -> list[Branch]:
         buf, size = inst.buf, inst.size
         ptr &= 0xFFFFFFFF
         if ptr == 0:
-            raise _Invalid("invalid_result", "a null pointer (the controller reported a failure)")
+            raise Invalid("invalid_result", "a null pointer (the controller reported a failure)")
         if ptr + RESULT.size > size:
             raise _OutOfBounds(f"result pointer {ptr:#x} lies outside memory ({size} bytes)")
         n_branches, branches_ptr = RESULT.unpack_from(buf, ptr)
         if n_branches == 0:
             return []
         if n_branches > self.max_forks:
-            raise _Invalid("limit", f"{n_branches} branches, over the limit of {self.max_forks}")
+            raise Invalid("limit", f"{n_branches} branches, over the limit of {self.max_forks}")
         if branches_ptr + BRANCH.size * n_branches > size:
             raise _OutOfBounds(f"branches [{branches_ptr:#x}, +{BRANCH.size * n_branches}) lie "
                                f"outside memory ({size} bytes)")
@@ -95,10 +104,10 @@ class ResultDecoder:
             ff: list[list[int]] = []
             if n_ff:
                 if mask is None and n_ff > 1:
-                    raise _Invalid("invalid_result", f"{where}{n_ff} fast-forward lists without a mask "
+                    raise Invalid("invalid_result", f"{where}{n_ff} fast-forward lists without a mask "
                                    f"(only one is allowed)")
                 if n_ff > ff_left:  # lists under a mask are non-empty: this many cannot fit
-                    raise _Invalid("limit", f"{where}{n_ff} fast-forward lists, over the limit of "
+                    raise Invalid("limit", f"{where}{n_ff} fast-forward lists, over the limit of "
                                    f"{self.max_ff} fast-forward tokens")
                 ff, used = self._ff_lists(inst, ff_ptr, n_ff, ff_left, where, mask is not None, backtrack)
                 ff_left -= used
@@ -115,10 +124,10 @@ class ResultDecoder:
         else:  # unaligned (a C guest never does this): copy rather than hand out unaligned data
             mask = np.frombuffer(inst.buf, dtype=np.uint32, count=self.mask_words, offset=mask_ptr).copy()
         if self.tail_bits and int(mask[-1]) >> self.tail_bits:
-            raise _Invalid("invalid_result", f"{where}mask allows token ids at or past the vocabulary "
+            raise Invalid("invalid_result", f"{where}mask allows token ids at or past the vocabulary "
                            f"size {self.vocab}")
         if mask.tobytes() == self._zeros:  # a copy + memcmp: 4x faster than mask.any()
-            raise _Invalid("invalid_result", f"{where}mask allows no token at all")
+            raise Invalid("invalid_result", f"{where}mask allows no token at all")
         return mask
 
     def _ff_lists(self, inst, ff_ptr: int, n_ff: int, ff_left: int, where: str,
@@ -130,7 +139,7 @@ class ResultDecoder:
         recs = _words(2 * n_ff).unpack_from(buf, ff_ptr)
         total = sum(recs[0::2])
         if total > ff_left:
-            raise _Invalid("limit", f"{where}{total} fast-forward tokens, over the limit of "
+            raise Invalid("limit", f"{where}{total} fast-forward tokens, over the limit of "
                            f"{self.max_ff} per step")
         lists = []
         vocab = self.vocab
@@ -138,10 +147,10 @@ class ResultDecoder:
             n, tokens_ptr = recs[2 * j], recs[2 * j + 1]
             if n == 0:
                 if masked:
-                    raise _Invalid("invalid_result", f"{where}fast-forward list {j} is empty (lists "
+                    raise Invalid("invalid_result", f"{where}fast-forward list {j} is empty (lists "
                                    f"under a mask must not be)")
                 if backtrack == 0:
-                    raise _Invalid("invalid_result", f"{where}empty fast-forward without a backtrack "
+                    raise Invalid("invalid_result", f"{where}empty fast-forward without a backtrack "
                                    f"(it would do nothing)")
                 lists.append([])
                 continue
@@ -156,7 +165,7 @@ class ResultDecoder:
                 top = int(arr.max())
                 tokens = arr.tolist()
             if top >= vocab:
-                raise _Invalid("invalid_result", f"{where}fast-forward list {j} holds token id {top}, "
+                raise Invalid("invalid_result", f"{where}fast-forward list {j} holds token id {top}, "
                                f"outside the vocabulary (0..{vocab - 1})")
             lists.append(tokens)
         return lists, total

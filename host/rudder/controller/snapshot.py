@@ -7,7 +7,7 @@ call is running, which is the only time we copy).
 Fresh guest memory is the module's data image followed by zeros, and writing a page that
 was never touched costs a page fault (~2 us), far more than copying it. So a snapshot keeps
 only the 4 KiB pages that differ from a fresh instance, and a fork copies eagerly only the
-part of memory that is kept resident between instances (see runtime.py) and, past it, only
+part of memory that is kept resident between instances (see engines.py) and, past it, only
 the 64 KiB chunks that are not all zero.
 
 A snapshot's bytes live in an anonymous mmap of their own, never in the malloc heap: snapshots
@@ -28,7 +28,7 @@ import numpy as np
 
 from .instance import Instance
 
-__all__ = ["Snapshot", "take_snapshot", "restore_snapshot", "clone_state"]
+__all__ = ["Snapshot", "take_snapshot", "restore_snapshot", "clone_state", "outside_heap"]
 
 PAGE = 4096
 CHUNK = 65536
@@ -48,7 +48,7 @@ class Snapshot:
         return int(self.data.size)
 
 
-def _outside_heap(nbytes: int) -> np.ndarray:
+def outside_heap(nbytes: int) -> np.ndarray:
     """`nbytes` of writable memory in an anonymous private mmap of its own, unmapped when the
     last view of it goes (so freeing it gives the pages back to the OS at once)."""
     if nbytes == 0:
@@ -94,7 +94,7 @@ def take_snapshot(inst: Instance, fresh: Instance) -> Snapshot:
     size = inst.size
     mem = inst.u8
     spans = _runs(_changed_pages(mem, fresh.u8[:min(fresh.size, size)], size), PAGE)
-    data = _outside_heap(sum(e - s for s, e in spans))
+    data = outside_heap(sum(e - s for s, e in spans))
     runs, pos = [], 0
     for s, e in spans:
         data[pos:pos + e - s] = mem[s:e]

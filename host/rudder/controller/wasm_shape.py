@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["CodeSizes", "ModuleShape", "ShapeError", "read_shape", "read_sizes", "NUMERIC"]
+__all__ = ["CodeSizes", "ModuleShape", "ShapeError", "read_shape", "read_sizes", "section_ids", "NUMERIC"]
 
 NUMERIC = frozenset({"i32", "i64", "f32", "f64"})
 
@@ -256,9 +256,11 @@ class CodeSizes:
     element_segments: int = 0
     table_elements: int = 0     # the largest table minimum, in elements
     memory_pages: int = 0       # the largest memory minimum, in 64 KiB pages
+    memories: int = 0           # memories defined (not a compile cost: each counts in the guest memory budget)
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The sizes a compile limit bounds."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "memories"}
 
 
 _COMPONENT_VERSION = b"\x0d\x00\x01\x00"
@@ -290,6 +292,19 @@ def read_sizes(wasm: bytes, max_functions: int | None = None) -> CodeSizes:
         except ShapeError:
             pass
     return sizes
+
+
+def section_ids(wasm: bytes) -> list[int]:
+    """The ids of a module's top-level sections, in order, as far as they can be read."""
+    ids = []
+    top = _Reader(wasm, 8, len(wasm))
+    try:
+        while top.pos < len(wasm):
+            ids.append(top.byte())
+            top.skip(top.uleb())
+    except ShapeError:
+        pass  # malformed: the compiler reports it precisely
+    return ids
 
 
 def _core_sizes(wasm: bytes, start: int, end: int, sizes: CodeSizes, max_functions: int | None) -> None:
@@ -325,7 +340,9 @@ def _core_sizes(wasm: bytes, start: int, end: int, sizes: CodeSizes, max_functio
                 for _ in range(r.uleb()):
                     sizes.table_elements = max(sizes.table_elements, _table_min(r))
             elif section == 5:
-                for _ in range(r.uleb()):
+                count = r.uleb()
+                sizes.memories += count
+                for _ in range(count):
                     sizes.memory_pages = max(sizes.memory_pages, _limits_min(r))
             elif section == 9:
                 sizes.element_segments += r.uleb()
