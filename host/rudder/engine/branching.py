@@ -122,7 +122,7 @@ class Steering:
             forks = [seq] + [self.fork(seq, deltas) for _ in answer[1:]]
             samples = []
             for k, (s, branch) in enumerate(zip(forks, answer)):
-                s.cursor.took(k if len(answer) > 1 else 0)
+                s.cursor.on_branch(k if len(answer) > 1 else 0)
                 if req.trace is not None:
                     req.trace.append(trace_of(s, k, branch, seconds, seq.branch if k else None))
                 if self.apply_branch(s, branch, deltas):
@@ -254,7 +254,7 @@ class Steering:
     def tell_ahead(self, seq: Sequence, tokens: list[int]) -> None:
         """The controller is told `tokens` while drafting, before the sequence holds them."""
         if seq.cursor is not None:
-            seq.cursor.told(tokens)
+            seq.cursor.on_draft(tokens)
 
     def settle_draft(self, seq: Sequence, accepted: list[tuple[list[int], int]], fed: bool,
                      deltas: list[Delta]) -> None:

@@ -2,8 +2,9 @@
 
 The ABI reports changes since the previous `mid_process` call (docs/abi.md): which branch of its
 last answer the sequence took, how many tokens were removed from its end, and the tokens appended
-since. Every change to a sequence is reported here as it happens (`on_append`, `on_backtrack`),
-and `call()` turns what accumulated into the next call's arguments. Two more pieces of state:
+since. Every change to a sequence is reported here as it happens (`on_branch`, `on_append`,
+`on_backtrack`, and for a draft `on_draft`), and `call()` turns what accumulated into the next
+call's arguments. Two more pieces of state:
 
 - `deferred`: a sampling Branch that also backtracked waits for the logits of a re-fed position
   (the step's logits are stale); it is sampled next step without calling the controller.
@@ -60,7 +61,8 @@ class ControllerCursor:
         self.branch, self.backtrack, self.appended = 0, 0, []
         return args
 
-    def took(self, branch: int) -> None:
+    def on_branch(self, branch: int) -> None:
+        """The sequence took branch `branch` of the controller's last answer."""
         self.branch = branch
 
     def on_append(self, tokens: list[int]) -> None:
@@ -74,7 +76,7 @@ class ControllerCursor:
         del self.appended[len(self.appended) - unreported:]
         self.backtrack += n - unreported
 
-    def told(self, tokens: list[int]) -> None:
+    def on_draft(self, tokens: list[int]) -> None:
         """The controller was told `tokens` as appended, ahead of the sequence (drafting)."""
         self.ahead += len(tokens)
 
