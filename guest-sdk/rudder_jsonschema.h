@@ -1,9 +1,9 @@
 /* rudder_jsonschema.h - JSON Schema (draft 2020-12, with the older drafts' forms) as a
  * byte-level constraint engine for the token layer (rudder_constraint.h).
  *
- * rudder_js_compile turns a schema into a graph of nodes (rudder_js_compile.c): combinators,
+ * rudder_js_compile turns a schema into a graph of nodes (rudder_jsonschema_compile.c): combinators,
  * $ref and sibling keywords are flattened into unions of plain alternatives first (allOf is
- * merged, anyOf/oneOf distribute over it). The engine (rudder_js_match.c) is a byte-level
+ * merged, anyOf/oneOf distribute over it). The engine (rudder_jsonschema_match.c) is a byte-level
  * pushdown automaton over that graph whose position is a *set* of threads: where alternatives
  * of a union can start alike, each goes on in its own thread until the bytes tell them apart,
  * so any mix of anyOf, oneOf, type arrays and $ref works. See docs/json-schema.md for the

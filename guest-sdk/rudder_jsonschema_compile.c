@@ -1,4 +1,4 @@
-/* rudder_js_compile.c - JSON Schema text -> the node graph of rudder_js_nodes.h.
+/* rudder_jsonschema_compile.c - JSON Schema text -> the node graph of rudder_jsonschema_nodes.h.
  *
  * Three stages:
  * 1. Bundles. A schema object with its combinators becomes a disjunction of *bundles* (its
@@ -15,7 +15,7 @@
  * Keyword policy (docs/json-schema.md): assertions are honoured or refused with their JSON
  * path; unknown keywords and annotations are ignored; a few assertions are documented relaxed.
  */
-#include "rudder_js_nodes.h"
+#include "rudder_jsonschema_nodes.h"
 #include "rudder_json.h"
 
 #define MAX_ALTERNATIVES 256u   /* bundles one schema expands to, at most */

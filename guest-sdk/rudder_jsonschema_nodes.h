@@ -1,6 +1,6 @@
-/* rudder_js_nodes.h - the compiled form of a JSON Schema (internal to the JSON engine): a graph
- * of nodes that the byte automaton (rudder_js_match.c) runs on. The compiler
- * (rudder_js_compile.c) builds it; docs/json-schema.md describes both. */
+/* rudder_jsonschema_nodes.h - the compiled form of a JSON Schema (internal to the JSON engine): a graph
+ * of nodes that the byte automaton (rudder_jsonschema_match.c) runs on. The compiler
+ * (rudder_jsonschema_compile.c) builds it; docs/json-schema.md describes both. */
 #ifndef RUDDER_JS_NODES_H
 #define RUDDER_JS_NODES_H
 
@@ -84,7 +84,7 @@ struct rudder_js {
     uint32_t n_psets, cap_psets;
     uint32_t root, any;
     bool flexible, ff;
-    struct js_matcher *m;   /* the automaton's working memory (rudder_js_match.c) */
+    struct js_matcher *m;   /* the automaton's working memory (rudder_jsonschema_match.c) */
 };
 
 static inline bool js_bit(const uint32_t *set, uint8_t b) { return (set[b >> 5] >> (b & 31)) & 1; }
@@ -97,11 +97,11 @@ static inline uint32_t js_tchild(const rudder_js *js, uint32_t at, uint8_t b) {
     return NONE;
 }
 
-/* The matcher's set-up once the nodes are final (rudder_js_match.c). */
+/* The matcher's set-up once the nodes are final (rudder_jsonschema_match.c). */
 void js_matcher_init(rudder_js *js);
-/* Can any string value meet the string node's length and regexes (rudder_js_match.c)? */
+/* Can any string value meet the string node's length and regexes (rudder_jsonschema_match.c)? */
 bool js_string_possible(const rudder_js *js, uint32_t node);
-/* Bytes a value of a fresh node can start with, and its nesting need (rudder_js_compile.c). */
+/* Bytes a value of a fresh node can start with, and its nesting need (rudder_jsonschema_compile.c). */
 bool js_finish_nodes(rudder_js *js, char *err, uint32_t cap);
 
 #endif /* RUDDER_JS_NODES_H */

@@ -1,5 +1,5 @@
-/* rudder_js_match.c - the JSON Schema engine's byte automaton over the node graph of
- * rudder_js_nodes.h, and its engine for the token layer (rudder_constraint.h).
+/* rudder_jsonschema_match.c - the JSON Schema engine's byte automaton over the node graph of
+ * rudder_jsonschema_nodes.h, and its engine for the token layer (rudder_constraint.h).
  *
  * A *thread* is one pushdown automaton: a stack of frames (node, phase, container progress)
  * and the lexer of the current string or number. A position is a *set* of threads: at a union
@@ -13,7 +13,7 @@
  * became). Inside strings a fast path allows the "plain" tokens (whole UTF-8 characters, no
  * quote, backslash or control byte) as a class and pushes only the few others.
  */
-#include "rudder_js_nodes.h"
+#include "rudder_jsonschema_nodes.h"
 
 #define MAX_THREADS 512u    /* threads of one position; past it the later ones are dropped (documented) */
 #define MAX_FORCED 64u
@@ -1361,7 +1361,7 @@ static int union_start(const rudder_js *js, thread *s, frame *f, const jnode *n,
 }
 
 /* The tag of a tagged union is written (the top frame reads it; see tagged_union in
- * rudder_js_compile.c): the thread goes on in the alternative whose tag pattern accepts, as
+ * rudder_jsonschema_compile.c): the thread goes on in the alternative whose tag pattern accepts, as
  * if it had been that object from its start; each other one that accepts goes on in a copy. */
 static void tag_switch(const rudder_js *js, thread *s, uint32_t alt) {
     frame *f = &s->f[s->sp - 1];
