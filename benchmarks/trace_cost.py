@@ -2,15 +2,16 @@
 
     .venv/bin/python benchmarks/trace_cost.py [--steps 240] [--batches 1,4] [--temperature 0]
                                               [--dtype auto] [--json benchmarks/results/trace_cost.json]
+    PYTHONPATH=host python3 benchmarks/trace_cost.py --model tiny --device cuda --batches 1,16
 
-SmolLM2 decodes B sequences, each with a controller that answers a full-vocabulary mask every
+SmolLM2 (or --model) decodes B sequences, each with a controller that answers a full-vocabulary mask every
 step (the most a step's record copies and counts). Before each step a coin decides whether the
 requests are traced for that step (the A/B of controller_overhead.py --e2e: whole runs drift
 apart by several % on a shared machine): a traced step copies each mask, and the sampler
 computes the log-softmax and top-k of each row (greedy rows then leave the argmax-only path).
 Rows: median ms per step in each arm, the difference per step and per sequence, and the ratio
 of the medians with a bootstrap 95 % interval. Then the server's share: turning one record
-into its JSON event (TraceStep.as_dict with SmolLM2's tokenizer), median us.
+into its JSON event (TraceStep.as_dict with the model's tokenizer), median us.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "host"))
@@ -37,7 +39,7 @@ from rudder import LLM, SamplingParams  # noqa: E402
 PROMPTS = ["The history of sailing ships", "A rudder is", "Write a poem about the sea", "Ships and boats"]
 
 
-def measure(llm, batch: int, steps: int, temperature: float, coin: random.Random) -> tuple[dict, list]:
+def measure(llm, batch: int, steps: int, temperature: float, coin: random.Random, cuda: bool) -> tuple[dict, list]:
     wasm = wasm_of(full_mask_wat())
     params = SamplingParams(max_tokens=steps + 8, temperature=temperature, seed=0, ignore_eos=True)
     reqs = [llm.engine.add_request(p, params, llm.start_controller(wasm)) for p in PROMPTS[:batch]]
@@ -51,6 +53,8 @@ def measure(llm, batch: int, steps: int, temperature: float, coin: random.Random
             r.trace = [] if arm == "traced" else None
         t0 = time.perf_counter()
         llm.engine.step()
+        if cuda:  # the step's GPU work is part of it
+            torch.cuda.synchronize()
         arms[arm].append(time.perf_counter() - t0)
         for r in reqs:
             records += r.trace or []
@@ -80,20 +84,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    llm = LLM("smollm2", dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
     coin = random.Random(0)
     rows, records = [], []
     for batch in (int(b) for b in args.batches.split(",")):
-        row, recs = measure(llm, batch, args.steps, args.temperature, coin)
+        row, recs = measure(llm, batch, args.steps, args.temperature, coin, args.device.startswith("cuda"))
         rows.append(row)
         records += recs
-    results = {"dtype": llm.dtype, "rows": rows, "events": measure_events(llm.tokenizer, records)}
+    results = {"model": args.model, "device": args.device, "dtype": llm.dtype, "rows": rows, "events": measure_events(llm.tokenizer, records)}
     llm.close()
     for r in rows:
         lo, hi = r["ratio_ci95"]
-        print(f"{results['dtype']} B={r['batch']} T={r['temperature']:g}: plain {r['plain_ms_per_step']:.2f} ms/step, "
+        print(f"{args.model} {args.device} {results['dtype']} B={r['batch']} T={r['temperature']:g}: plain {r['plain_ms_per_step']:.2f} ms/step, "
               f"traced {r['traced_ms_per_step']:.2f} ms/step: +{r['extra_us_per_step']:.0f} us a step "
               f"(+{r['extra_us_per_sequence_step']:.0f} us a sequence), plain/traced {r['ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
     print(f"one record as its JSON event: {results['events']['as_dict_json_median_us']:.1f} us")
