@@ -418,3 +418,58 @@ def test_cached_prompt_tokens_in_usage_and_the_hit_rate_in_metrics():
         prompts = 3 * second.usage.prompt_tokens
         assert metrics["rudder_prefix_cache_hits_total"] == 2 * hit
         assert metrics["rudder_prefix_cache_hit_rate"] == pytest.approx(2 * hit / prompts, abs=1e-6)
+
+
+# -- the KV cache sized from the machine's memory ---------------------------------------------------
+
+
+def test_the_kv_cache_takes_its_share_of_the_available_memory_and_says_so(caplog):
+    import torch
+
+    from rudder.config import ModelConfig
+    from rudder.engine.kv_cache import bytes_per_token, tokens_for_memory
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=30, num_heads=4,
+                      num_kv_heads=3, head_dim=16)
+    per_token = bytes_per_token(cfg, torch.bfloat16)
+    assert per_token == 30 * 2 * 3 * 16 * 2  # layers x K,V x KV heads x head dim x 2 bytes
+    with caplog.at_level("INFO", logger="rudder.engine"):
+        tokens = tokens_for_memory(cfg, torch.bfloat16, "cpu", 0.25, most=10 ** 9, available=8 << 30)
+    assert tokens == (2 << 30) // per_token
+    assert f"KV cache: {tokens} tokens" in caplog.text and "25% of the 8.0 GiB available" in caplog.text
+    # never more than every sequence at full context can use
+    assert tokens_for_memory(cfg, torch.bfloat16, "cpu", 0.25, most=64 * 8192, available=1 << 40) == 64 * 8192
+
+
+def test_an_engine_without_a_size_takes_it_from_the_machine():
+    llm = LLM("tiny", block_size=4)
+    config = llm.engine.config
+    assert config.kv_cache_tokens > 0 and llm.engine.block_manager.num_blocks == config.kv_cache_tokens // 4
+    with pytest.raises(ValueError, match="kv_cache_tokens and kv_cache_memory both size the KV cache"):
+        LLM("tiny", kv_cache_tokens=1024, kv_cache_memory=0.2)
+    with pytest.raises(ValueError, match="kv_cache_memory must be a share"):
+        LLM("tiny", kv_cache_memory=1.5)
+
+
+def test_a_large_kv_cache_costs_memory_only_as_blocks_are_written():
+    """On the CPU the cache is zero pages until written: sized for the machine, it takes memory
+    as it is used (the process's resident memory grows by what is written, not by the size)."""
+    import torch
+
+    from rudder.config import ModelConfig
+    from rudder.engine.kv_cache import KVCache
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=128, num_layers=8, num_heads=4,
+                      num_kv_heads=4, head_dim=32)
+    before = rss()
+    cache = KVCache(cfg, num_blocks=16384, block_size=16, device="cpu", dtype=torch.bfloat16)  # 1 GiB
+    assert cache.tensor.numel() * 2 == 1 << 30
+    assert rss() - before < 64 << 20
+    cache.tensor[:, :, :100] = 1.0  # 100 blocks written: ~6 MiB
+    grown = rss() - before
+    assert 6 << 20 <= grown < 64 << 20
+    assert float(cache.tensor[:, :, 100:200].abs().sum()) == 0.0  # unwritten blocks read as zeros
