@@ -19,14 +19,14 @@ browser:
 		exit 1; \
 	fi
 
-# The registry's PostgreSQL tests start a throwaway cluster of Debian's PostgreSQL
-# (tests/pg_util.py; tests/test_store_postgres.py, tests/test_hosts.py); apt installs it when missing.
+# The registry's PostgreSQL tests start a throwaway cluster of Debian's PostgreSQL (tests/pg_util.py),
+# and tests/test_hosts.py joins two network namespaces with iproute2's `ip`; apt installs them when missing.
 postgres:
-	@if command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	@if { command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 && command -v ip >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql iproute2; \
 	else \
-		echo "make setup: PostgreSQL is missing (tests/test_store_postgres.py needs it): run 'sudo apt-get install -y postgresql'" >&2; \
+		echo "make setup: PostgreSQL or iproute2 is missing (tests/test_store_postgres.py and tests/test_hosts.py need them): run 'sudo apt-get install -y postgresql iproute2'" >&2; \
 		exit 1; \
 	fi
 

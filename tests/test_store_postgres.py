@@ -324,6 +324,13 @@ def test_replicas_share_uploads_tags_and_keys(replicas):
         listing = CliRunner().invoke(app, ["keys", "list", "--all", "--state-url", url]).output
         assert f"{key_id}  user   team-c" in listing and "revoked" in listing and key not in listing
 
+        # A key rudder makes: printed once with its id, then accepted.
+        made, made_id = CliRunner().invoke(app, ["keys", "add", "--tenant", "team-d", "--state-url", url]
+                                           ).output.split()
+        assert made.startswith("rk-") and len(made) > 30 and len(made_id) == 12
+        eventually(lambda: c.get(a.url + "/v1/models", headers={"Authorization": f"Bearer {made}"}).status_code
+                   == 200, what="the made key reaching a replica")
+
 
 def test_two_replicas_racing_for_tags(replicas):
     a, b, _ = replicas
@@ -379,7 +386,7 @@ def test_postgres_restart_under_load(pg_cluster):
     acked, unexpected, stop = {}, [], threading.Event()
     with ServeProcess("--state-url", url, "--max-modules", "100000", model="tiny:1", forked=True) as server, \
             httpx.Client(base_url=server.url, timeout=60) as c:
-        # The running request's controller spins ~1.5 ms a step (its argument): it runs for seconds.
+        # The running request's controller spins ~3 ms a step (its argument): it runs for seconds.
         mid = c.post("/v1/controllers", content=bytes(wasm_of(busy_wat()))).json()["module_id"]
         assert c.post("/v1/controllers/tags", json={"tag": "steady", "module_id": mid}).status_code == 200
 
@@ -400,7 +407,7 @@ def test_postgres_restart_under_load(pg_cluster):
         loader.start()
         eventually(lambda: len(acked) >= 2, what="uploads")
         sent, first_503 = time.time(), None
-        with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x30\0",
+        with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x60\0",
                                                 "prompt": "x", "max_tokens": 1000, "ignore_eos": True}) as stream:
             events = sse_events(stream)
             assert next(events)["type"] == "step"

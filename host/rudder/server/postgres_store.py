@@ -44,7 +44,7 @@ MIGRATION_LOCK = 0x72756464  # the advisory lock replicas take to migrate one at
 # How long a registry call waits for the database before its 503: short, so that a client
 # retrying elsewhere is not held up; the pool reconnects in the background meanwhile.
 CONNECT_TIMEOUT_S = 3
-DOWN_TIMEOUT_S = 0.5  # the wait while the listener finds the database gone: 503s come at once
+DOWN_TIMEOUT_S = 0.1  # the wait while the listener finds the database gone: 503s come at once
 TAG_CACHE_MAX = 4096  # names cached at most (any request may name any tag)
 
 # Each entry moves the schema one version on; a database is at version len(MIGRATIONS) once migrated.
@@ -109,10 +109,8 @@ class PostgresStore:
             psycopg.conninfo.conninfo_to_dict(url)
         except psycopg.ProgrammingError as e:
             raise ValueError(f"--state-url: not a PostgreSQL URL ({e})") from None
-        self.pool = ConnectionPool(url, min_size=1, max_size=max_connections, kwargs={"autocommit": True,
-                                   **_connect_kwargs()}, check=ConnectionPool.check_connection,
-                                   timeout=CONNECT_TIMEOUT_S, open=False, name="rudder-registry")
-        self.pool.open(wait=False)
+        self.max_connections = max_connections
+        self.pool = self._new_pool()
         self._tags: dict[str, dict | None] = {}
         self._generation = 0  # bumped by every change a notification announces
         self._cache_lock = threading.Lock()
@@ -131,6 +129,13 @@ class PostgresStore:
             self._listener.start()
 
     # -- plumbing -------------------------------------------------------------------------------
+
+    def _new_pool(self) -> ConnectionPool:
+        pool = ConnectionPool(self.url, min_size=1, max_size=self.max_connections,
+                              kwargs={"autocommit": True, **_connect_kwargs()}, check=ConnectionPool.check_connection,
+                              timeout=CONNECT_TIMEOUT_S, open=False, name="rudder-registry")
+        pool.open(wait=False)
+        return pool
 
     @contextlib.contextmanager
     def _conn(self):
@@ -172,6 +177,10 @@ class PostgresStore:
             try:
                 with psycopg.connect(self.url, autocommit=True, **_connect_kwargs()) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
+                    if down_since is not None:
+                        # A new pool connects now; the old one would wait out its reconnection backoff.
+                        old, self.pool = self.pool, self._new_pool()
+                        old.close(timeout=0)
                     self._down = False
                     self._changed(keys=True)  # whatever happened while we were not listening
                     self._listening = True
