@@ -18,6 +18,8 @@ from rudder.server import ServerConfig
 from serve_util import LiveServer, apply_deltas, sse_events
 
 # Each kind of Branch in turn, on the tiny model's byte-level tokenizer (ids 3..258 are bytes).
+# The first answer samples: a first fast-forward may be applied before or after the prefill, as
+# the controller's answer comes, and the two runs compared would count their steps apart.
 KINDS_C = r'''
 #include "rudder.h"
 static const uint32_t FF[3] = {70, 71, 72}, LIST_A[2] = {80, 90}, LIST_B[3] = {81, 91, 92};
@@ -25,15 +27,15 @@ void controller_step(const rudder_step *step, rudder_out *out) {
     uint32_t *mask;
     rudder_branch *b;
     switch (step->index) {
-    case 0:                                   /* fast-forward */
-        rudder_out_ff(out, FF, 3);
-        return;
-    case 1:                                   /* a mask of three tokens, two of them with ff lists */
+    case 0:                                   /* a mask of three tokens, two of them with ff lists */
         mask = rudder_out_mask(out);
         rudder_mask_set(mask, 80), rudder_mask_set(mask, 81), rudder_mask_set(mask, 82);
         b = rudder_out_sample(out, mask);
         rudder_out_ff_list(out, b, LIST_A, 2);
         rudder_out_ff_list(out, b, LIST_B, 3);
+        return;
+    case 1:                                   /* fast-forward */
+        rudder_out_ff(out, FF, 3);
         return;
     case 2:                                   /* take two back, sample freely */
         rudder_out_sample(out, NULL)->backtrack = 2;
