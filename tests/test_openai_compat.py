@@ -362,6 +362,23 @@ def test_chat_logprobs_match_the_python_api(client, tiny_llm):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
 
 
+def test_logprobs_under_a_constraint_list_only_allowed_alternatives(client):
+    """A token the mask refused has no probability: it is never a top alternative (nor a -inf that
+    JSON cannot carry)."""
+    for stream in (False, True):
+        kw = dict(max_tokens=4, logprobs=True, top_logprobs=5, extra_body={"structured_outputs": {
+            "choice": ["left", "right"]}})
+        if stream:
+            entries = [e for ch in chat(client, stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                       for e in ch.choices[0].logprobs.content]
+        else:
+            entries = chat(client, **kw).choices[0].logprobs.content
+        assert entries
+        for e in entries:
+            assert all(alt.logprob > float("-inf") for alt in e.top_logprobs)
+            assert len(e.top_logprobs) <= 2   # "l..." or "r...": the first token has two choices at most
+
+
 def test_completion_logprobs_and_forced_tokens(client):
     # printable ASCII only: the top_logprobs dicts are keyed by token text, which must differ
     ascii_only = {str(t): -100 for t in range(512) if not 32 + 3 <= t <= 126 + 3}

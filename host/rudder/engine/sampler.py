@@ -214,8 +214,8 @@ class Sampler:
                 row = logprob_table[i]
                 top = []
                 if p.logprobs:
-                    values, ids = row.topk(p.logprobs)
-                    top = list(zip(ids.tolist(), values.tolist()))
+                    values, ids = row.topk(p.logprobs)  # a token the mask refused is no alternative
+                    top = [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
                 lps[i] = {"token": token_list[i], "logprob": row[token_list[i]].item(), "top": top}
         return SampleOutput(token_list, lps)
 
