@@ -28,7 +28,7 @@ from .metrics import Metrics
 from .registry import Registry
 from .schemas import RunRequest, TagRequest
 from .service import ClientGone, Service, event_stream, sse
-from .store import open_store
+from .store import StoreUnavailable, open_store
 
 log = logging.getLogger("rudder.server")
 
@@ -144,6 +144,13 @@ class _CountRequests:
                 svc.metrics.request(route, status[0])
 
 
+def _module_count(svc: Service) -> float:
+    try:
+        return len(svc.registry.builtin) + svc.registry.store.count_modules()
+    except StoreUnavailable:  # a scrape during a database outage still answers
+        return float("nan")
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
@@ -190,8 +197,8 @@ def _routes(app: FastAPI, config: ServerConfig) -> None:
             "kv_blocks_total": ("KV cache blocks.", bm.num_blocks),
             "kv_cache_usage_ratio": ("Share of the KV cache in use (0-1).",
                                      round(1 - bm.num_free / bm.num_blocks, 6) if bm.num_blocks else 0.0),
-            "controller_modules": ("Controller modules in the registry (built-in and uploaded).",
-                                   len(svc.registry.builtin) + svc.registry.store.count_modules()),
+            "controller_modules": ("Controller modules in the registry (built-in and uploaded; NaN while its "
+                                   "database is away).", _module_count(svc)),
         }
         runtime, compiler = svc.llm.runtime.stats(), svc.llm.runtime.compiler
         gauges.update({
