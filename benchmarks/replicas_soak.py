@@ -266,6 +266,7 @@ def main() -> int:
             outcomes = sum((c.outcomes for c in clients), collections.Counter())
             hangs = sum(c.hangs for c in clients)
             unexplained = [u for c in clients for u in c.unexplained]
+            note(f"the replicas' logs are in {folder}")
             logs = {r.name: (folder / f"replica-{r.name}.log").read_text(errors="replace") for r in replicas}
             said = {name: [ln for ln in text.splitlines() if "registry database" in ln] for name, text in logs.items()}
             lat_all = collections.defaultdict(list)

@@ -32,8 +32,9 @@ from rudder.cli import app
 from serve_util import REPO, sse_events
 from test_auth_registry import module
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it creates network namespaces joined by a "
-                                                            "veth pair (ip netns), as CI's root can")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: it creates network namespaces joined by "
+                                                             "a veth pair (ip netns), as CI's root can"),
+              pytest.mark.timeout(300)]  # servers and a pipeline start in each test (~20 s when the host is idle)
 
 ADDRESS = {"a": "198.18.0.1", "b": "198.18.0.2"}
 PG_PORT, HTTP_PORT, MASTER_PORT = 5432, 8000, 29500

@@ -273,6 +273,8 @@ def test_an_unreachable_or_wrong_url_is_one_line():
 
 # -- replicas: `rudder serve --state-url` ---------------------------------------------------------
 
+SERVERS = pytest.mark.timeout(300)  # tests that start `rudder serve` processes (~5-15 s when the host is idle)
+
 KEYS = {"ops": ("sk-ops-000000", "admin"), "team-a": ("sk-team-a-000000", "user"),
         "team-b": ("sk-team-b-000000", "user")}
 
@@ -299,6 +301,7 @@ def replicas(pg_cluster):
 RUN = {"prompt": "x", "max_tokens": 3, "stream": False, "ignore_eos": True}
 
 
+@SERVERS
 def test_replicas_share_uploads_tags_and_keys(replicas):
     a, b, url = replicas
     with httpx.Client(timeout=60) as c:
@@ -338,6 +341,7 @@ def test_replicas_share_uploads_tags_and_keys(replicas):
                    == 200, what="the made key reaching a replica")
 
 
+@SERVERS
 def test_two_replicas_racing_for_tags(replicas):
     a, b, _ = replicas
     with httpx.Client(timeout=60) as c:
@@ -365,6 +369,7 @@ def test_two_replicas_racing_for_tags(replicas):
         assert lost[0]["error"]["code"] == "tag_owned" and won[0] in lost[0]["error"]["message"]
 
 
+@SERVERS
 def test_sigkill_during_uploads_loses_nothing_on_postgres(pg_cluster):
     """As for the state directory (test_auth_registry.py): a server on PostgreSQL SIGKILLed at
     random moments while uploading and tagging; every acknowledged module and tag is there, whole,
@@ -384,6 +389,7 @@ def test_sigkill_during_uploads_loses_nothing_on_postgres(pg_cluster):
         store.close()
 
 
+@SERVERS
 def test_postgres_restart_under_load(pg_cluster):
     """PostgreSQL stops while a request streams and uploads go on: registry calls answer 503
     (registry_unavailable) and plain requests 200, the stream finishes whole; once it is back
