@@ -12,6 +12,7 @@ into them (source, SDK, WIT, tool version), so an unchanged controller is built 
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import re
@@ -122,13 +123,20 @@ def _build(source: Path, out: Path, language: str) -> Path:
 # ----------------------------------------------------------------------------- Python
 
 def _check_python(source: Path) -> None:
+    """What can be told from the source, before the slow build: its syntax, its name, and that
+    it defines a class on a Controller base (the build then checks it is exactly one subclass)."""
     text = source.read_text(encoding="utf-8")
     try:
-        compile(text, str(source), "exec", dont_inherit=True)
+        tree = ast.parse(text, str(source))
     except SyntaxError as e:
         raise BuildError(f"{source}:{e.lineno}: SyntaxError: {e.msg}") from None
     if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", source.stem):
         raise BuildError(f"{source}: the file name must be a Python module name (letters, digits, _)")
+    names = {"Controller"} | {a.asname for node in tree.body if isinstance(node, ast.ImportFrom)
+                              for a in node.names if a.name == "Controller" and a.asname}
+    bases = {ast.unparse(b) for node in tree.body if isinstance(node, ast.ClassDef) for b in node.bases}
+    if not any(b in names or b.endswith(".Controller") for b in bases):
+        raise BuildError(f"rudder: {source.stem} must define exactly one subclass of rudder_sdk.Controller, found 0")
 
 
 def _componentize_py() -> list[str]:
