@@ -7,11 +7,18 @@ complete and offline (the tiny random-weight model, the byte-level and small BPE
 tokenizers), and a test that reaches for SmolLM2 without the marker fails (see
 `smollm2_only_in_model_tests`). Nothing is skipped for a missing package: the `test` extra
 declares every import.
+
+Every test has a time limit (pytest-timeout, pyproject.toml), so what many tests share and a
+first use would build - the native library, the built-in controllers, the SDKs' test components,
+SmolLM2 when `model` tests run - is built (or fetched) once, before the first test
+(`pytest_collection_finish`): a test's limit then measures the test, not a cold $RUDDER_HOME.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +29,55 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("RUDDER_HOME", str(REPO_ROOT / ".cache" / "rudder"))
 #: Where this session's SmolLM2 lives (tests that set a private $RUDDER_HOME fetch elsewhere).
 SESSION_MODEL_DIR = Path(os.environ["RUDDER_HOME"]).expanduser() / "models" / "smollm2-135m-instruct"
+
+
+def pytest_collection_finish(session):
+    """Build what the collected tests share, at once, before the first of them runs."""
+    if session.config.option.collectonly or not session.items:
+        return
+    import component_util
+
+    jobs = [_native, _builtins]
+    if any(getattr(item.module, "sdk", None) is component_util.sdk for item in session.items
+           if getattr(item, "module", None) is not None):
+        jobs.append(component_util.prebuild)
+    if any(item.get_closest_marker("model") is not None for item in session.items):
+        jobs.append(_smollm2)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        for done in [pool.submit(job) for job in jobs]:
+            try:
+                done.result()
+            except Exception as e:  # noqa: BLE001 - the tests that need it then fail with the reason
+                print(f"conftest: prebuilding failed: {e!r}", file=sys.stderr)
+
+
+def _native() -> None:
+    """Both forms of the native library: the extension module, and the plain one
+    (RUDDER_NATIVE_ABI, test_hostile.py)."""
+    from component_util import build_lock
+    from rudder import native
+
+    with build_lock("native"):
+        native.library()
+        native._build()
+
+
+def _smollm2() -> None:
+    """SmolLM2, fetched (once per $RUDDER_HOME) and converted."""
+    from component_util import build_lock
+    from rudder.model_files import fetch_model
+
+    with build_lock("smollm2"):
+        fetch_model(progress=False)
+
+
+def _builtins() -> None:
+    from component_util import build_lock
+    from rudder.controller.build import BUILTIN_CONTROLLERS, builtin_controller
+
+    with build_lock("builtins"):
+        for name in BUILTIN_CONTROLLERS:
+            builtin_controller(name)
 
 
 @pytest.fixture(autouse=True)

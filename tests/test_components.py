@@ -1,5 +1,8 @@
-"""Python controllers as components (wit/controller.wit): built with the project's own tool
-chain, run by the same runtime as core modules, end to end on the tiny model and SmolLM2."""
+"""Python and JavaScript controllers as components (wit/controller.wit): built with the project's
+own tool chain, run by the same runtime as core modules, end to end on the tiny model and SmolLM2.
+Offline, the SDKs' cases run in one test component per language (tests/components/sdk.*,
+component_util.py); the shipped examples run on SmolLM2 (the `model` tests). The sandbox's limits
+and hostile cases are test_hostile.py's and its siblings', for both shapes."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import string
 import numpy as np
 import pytest
 
-from component_util import example
+from component_util import example, sdk
 from rudder import LLM, SamplingParams
 from rudder.controller import ControllerError, ControllerRuntime, Limits
 from rudder.controller.build import BuildError
@@ -62,13 +65,13 @@ def test_a_module_without_a_controller_class_is_refused_at_build(tmp_path):
 
 # ----------------------------------------------------------------------------- the runtime
 
-DIGITS = ["digits", "js/digits"]  # the Python and the JavaScript example
+LANGS = ["py", "js"]  # the SDKs' test components; "" picks their digits case
 
 
-@pytest.mark.parametrize("name", DIGITS)
-def test_digits_masks_are_exactly_the_digit_tokens(rt, name):
+@pytest.mark.parametrize("lang", LANGS)
+def test_digits_masks_are_exactly_the_digit_tokens(rt, lang):
     tok = rt.tokenizer
-    module = rt.load(example(name))
+    module = rt.load(sdk(lang))
     assert module.wasm_size > 1 << 20
     ctl = rt.start(module, "")
     digit_ids = sorted(i for i, b in enumerate(tok.token_bytes) if b and all(48 <= c <= 57 for c in b))
@@ -83,10 +86,10 @@ def test_digits_masks_are_exactly_the_digit_tokens(rt, name):
     assert ctl.request.live == 0
 
 
-@pytest.mark.parametrize("name", DIGITS)
-def test_state_survives_a_backtrack_and_each_request_starts_from_init(rt, name):
+@pytest.mark.parametrize("lang", LANGS)
+def test_state_survives_a_backtrack_and_each_request_starts_from_init(rt, lang):
     tok = rt.tokenizer
-    module = rt.load(example(name))
+    module = rt.load(sdk(lang))
     a = rt.start(module, "")
     a.mid_process(0, 0, tok.encode("q"))
     for _ in range(3):
@@ -101,8 +104,8 @@ def test_state_survives_a_backtrack_and_each_request_starts_from_init(rt, name):
 
 
 def test_fork_gives_each_branch_its_own_state(rt):
-    module = rt.load(example("fork"))
-    ctl = rt.start(module, "3")
+    module = rt.load(sdk("py"))
+    ctl = rt.start(module, "fork 3")
     answer = ctl.mid_process(0, 0, [5, 6])
     assert len(answer) == 3 and all(b.mask is None and b.ff == [] for b in answer)
     kids = [ctl] + [ctl.fork() for _ in range(2)]
@@ -120,7 +123,7 @@ def test_fork_gives_each_branch_its_own_state(rt):
 
 def test_start_refusal_is_kind_start_with_the_reason(rt):
     with pytest.raises(ControllerError) as e:
-        rt.start(rt.load(example("fork")), "many")
+        rt.start(rt.load(sdk("py")), "fork many")
     assert e.value.kind == "start"
     assert 'the argument must be a number, not "many"' in str(e.value)
 
@@ -153,26 +156,20 @@ def test_a_component_importing_anything_else_is_refused_naming_it(rt, case):
     assert e.value.kind == "bad_import" and message in str(e.value), str(e.value)
 
 
-def test_a_compiled_component_loads_from_the_disk_cache(tmp_path):
-    wasm = example("digits")
-    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path) as a:
-        a.load(wasm)
-    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=tmp_path) as b:
-        b.load(wasm)
-        assert b._components.cache.stats["disk_hits"] == 1 and b._components.cache.stats["compiled"] == 0
+# (the compiled-code cache on disk: test_sandbox.py, test_module_cache_memory_and_disk, both shapes)
 
 
 # ----------------------------------------------------------------------------- end to end
 
-def _digits_run(llm, seed=None, name="digits"):
+def _digits_run(llm, seed=None, wasm=None):
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
-    [out] = llm.generate(["How many legs has a spider?"], params, chat=True, controller=example(name))
+    [out] = llm.generate(["How many legs has a spider?"], params, chat=True, controller=wasm or sdk("py"))
     return out
 
 
-@pytest.mark.parametrize("name", DIGITS)
-def test_digits_end_to_end_on_the_tiny_model(tiny, name):
-    out = _digits_run(tiny, seed=1, name=name)
+@pytest.mark.parametrize("lang", LANGS)
+def test_digits_end_to_end_on_the_tiny_model(tiny, lang):
+    out = _digits_run(tiny, seed=1, wasm=sdk(lang))
     assert out.finish_reason in ("stop", "length"), out.error
     assert out.text and set(out.text) <= set(string.digits), out.text
     assert 1 <= len(out.token_ids) <= 6
@@ -185,18 +182,19 @@ def test_a_seeded_run_repeats(tiny):
 
 def test_fork_end_to_end_on_the_tiny_model(tiny):
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-    [out] = tiny.generate(["Name a boat."], params, controller=example("fork"), controller_arg="3")
+    [out] = tiny.generate(["Name a boat."], params, controller=sdk("py"), controller_arg="fork 3")
     assert len(out.branches) == 3
     assert all(len(b.token_ids) == 6 and b.finish_reason == "length" for b in out.branches), out.branches
 
 
 @pytest.mark.model
+@pytest.mark.timeout(600)  # (builds and compiles the examples it needs: the offline suite does not)
 def test_digits_and_fork_end_to_end_on_smollm2():
     llm = LLM("smollm2")
-    for name in DIGITS:
-        out = _digits_run(llm, seed=2, name=name)
+    for name in ("digits", "js/digits"):
+        out = _digits_run(llm, seed=2, wasm=example(name))
         assert out.error is None and out.text and set(out.text) <= set(string.digits), (name, out.text)
-        again = _digits_run(llm, seed=2, name=name)
+        again = _digits_run(llm, seed=2, wasm=example(name))
         assert again.token_ids == out.token_ids
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=7)
     [forked] = llm.generate(["Give me a name for a boat."], params, chat=True, controller=example("fork"),
@@ -211,12 +209,15 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def _json_run(llm, seed):
+def _json_run(llm, seed, wasm=None):
     import json
 
     params = SamplingParams(max_tokens=60, temperature=0.8, seed=seed)
-    [out] = llm.generate(["Invent a person as JSON."], params, chat=True, controller=example("json_then_stop"),
-                         controller_arg=json.dumps(PERSON))
+    if wasm is None:  # the SDK's test component, "json SCHEMA"
+        wasm, arg = sdk("py"), "json " + json.dumps(PERSON)
+    else:  # controllers/py/json_then_stop.py, SCHEMA
+        arg = json.dumps(PERSON)
+    [out] = llm.generate(["Invent a person as JSON."], params, chat=True, controller=wasm, controller_arg=arg)
     return out
 
 
@@ -242,6 +243,7 @@ def test_a_hand_off_names_a_built_in_controller(rt):
 
 
 @pytest.mark.model
+@pytest.mark.timeout(600)  # (builds and compiles the example it needs: the offline suite does not)
 def test_json_hand_off_on_smollm2():
     import json
 
@@ -249,28 +251,17 @@ def test_json_hand_off_on_smollm2():
 
     llm = LLM("smollm2")
     for seed in (1, 2):
-        out = _json_run(llm, seed)
+        out = _json_run(llm, seed, example("json_then_stop"))
         assert out.finish_reason == "stop", (out.error, out.text)
         jsonschema.validate(json.loads(out.text), PERSON)
 
 
-def test_the_requests_seed_reaches_a_components_random_numbers(tiny, tmp_path):
+def test_the_requests_seed_reaches_a_components_random_numbers(tiny):
     """A Python controller that writes a random number: the request's seed (through
     LLM.generate) decides it, so the same seed repeats it and other seeds change it."""
-    src = tmp_path / "lucky.py"
-    src.write_text(
-        "import random\n"
-        "from rudder_sdk import Branch, Controller, tokenize\n\n\n"
-        "class Lucky(Controller):\n"
-        "    def mid_process(self, step):\n"
-        "        if step.generated:\n"
-        "            return None\n"
-        "        return Branch.fast_forward(tokenize(str(random.randrange(10 ** 9))))\n")
-    wasm = build_component(src, tmp_path / "lucky.wasm").read_bytes()
-
     def number(seed):
         params = SamplingParams(max_tokens=16, temperature=0.0, seed=seed)
-        [out] = tiny.generate(["Pick a number."], params, controller=wasm)
+        [out] = tiny.generate(["Pick a number."], params, controller=sdk("py"), controller_arg="random")
         assert out.text.isdigit(), (out.text, out.error)
         return out.text
 
