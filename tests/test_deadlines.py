@@ -1,7 +1,7 @@
 """Deadlines count a controller's CPU time, not the time its thread waited for a core.
 
-A legal controller that computes for ~40 % of its budget per step keeps running when the
-machine is so busy that each of its calls takes several budgets of wall time; a runaway one
+A legal controller that computes for a tenth of its budget per step keeps running when the
+machine is so busy that each of its calls takes more than its budget of wall time; a runaway one
 still ends at its budget (its CPU time) or at the wall-clock cap when it is starved; and
 time spent in an import (the tokenizer, which lets go of the GIL) counts against the call.
 Needs the native library (deadlines fall back to wall time without it). Every case runs for
@@ -80,10 +80,13 @@ class _Contention:
 
 @both
 def test_a_legal_controller_survives_a_busy_machine(rt, shape):
-    module, n = _calibrated(rt, shape, 0.010)  # ~10 ms of CPU a step, under a 25 ms budget
+    """~2.5 ms of CPU a step under a 25 ms budget, on a core shared with 12 burners: a step takes
+    more than its budget of wall time (a wall-clock deadline would kill it), and the wall-clock
+    cap (200 ms, a slowdown of 80) stays far away even when the rest of the machine is busy too."""
+    module, n = _calibrated(rt, shape, 0.0025)
     ctl = rt.start(module, struct.pack("<I", n))
     walls = []
-    with _Contention(3):
+    with _Contention(12):
         for _ in range(12):
             t0 = time.perf_counter()
             ctl.mid_process(0, 0, [1])  # a wall-clock deadline would kill it here
@@ -102,7 +105,9 @@ def test_a_runaway_ends_at_its_cpu_budget_even_when_busy(rt, shape):
             ctl.mid_process(0, 0, [1])
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     assert e.value.kind == "timeout" and "20 ms of CPU time" in str(e.value)
-    assert 0.020 <= cpu, cpu  # it got its whole budget of CPU...
+    # it got its whole budget of CPU (less at most one tick: the time before the first tick is
+    # counted as wall time, too much for a thread that waited meanwhile: native/deadline.c)...
+    assert 0.020 - rt.tick_ms / 1000 <= cpu, cpu
     assert wall < wall_cap_ms(20) / 1000 + 1.0  # ...and no more than the wall cap (margin for a loaded host)
 
 

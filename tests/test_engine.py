@@ -265,16 +265,18 @@ def test_an_llm_dropped_without_close_ends_its_controller_threads():
 
 
 class _FirstAnswer:
-    """Answers `first` (after `delay` s) to the call that tells it the prompt, then samples freely;
-    records the tokens each call was told."""
+    """Answers `first` to the call that tells it the prompt (after `delay` s, or once `release` is
+    set), then samples freely; records the tokens each call was told."""
 
-    def __init__(self, first, delay: float = 0.0):
-        self.first, self.delay, self.told = first, delay, []
+    def __init__(self, first, delay: float = 0.0, release: threading.Event | None = None):
+        self.first, self.delay, self.release, self.told = first, delay, release, []
 
     def mid_process(self, branch_idx, backtrack, tokens):
         self.told.append(list(tokens))
         if len(self.told) == 1:
             time.sleep(self.delay)
+            if self.release is not None:
+                assert self.release.wait(30), "never released"
             return self.first
         return [Branch()]
 
@@ -285,31 +287,35 @@ class _FirstAnswer:
         pass
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05])
-def test_a_first_fast_forward_is_prefilled_with_the_prompt(monkeypatch, delay):
+@pytest.mark.parametrize("late", [False, True])
+def test_a_first_fast_forward_is_prefilled_with_the_prompt(monkeypatch, late):
     """A controller's first answer that needs no logits (a fast-forward) joins the prompt's prefill
     when it comes in time (FIRST_ANSWER_WAIT); one that comes later is applied after the prefill as
-    before. Either way the tokens and what the controller is told are the same."""
+    before. Either way the tokens and what the controller is told are the same. (No clock decides
+    which: in time, the engine may wait as long as it takes; late, the answer is held back until
+    the prefill has been launched.)"""
     from rudder.engine import llm_engine
 
-    if delay == 0.0:  # in time however loaded the machine (the wait ends when the answer comes)
+    if not late:  # in time however loaded the machine (the wait ends when the answer comes)
         monkeypatch.setattr(llm_engine, "FIRST_ANSWER_WAIT", 10.0)
     llm = LLM("tiny", kv_cache_tokens=4096, block_size=8)
     fed = []
     run = llm.engine.runner.run
+    prefilled = threading.Event()
 
     def counting(batch, *args):
         fed.append(sum(e.num_tokens for e in batch))
+        prefilled.set()
         return run(batch, *args)
 
     monkeypatch.setattr(llm.engine.runner, "run", counting)
     prompt = [5, 6, 7, 8]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    controller = _FirstAnswer([Branch(ff=[[40, 41, 42]])], delay)
+    controller = _FirstAnswer([Branch(ff=[[40, 41, 42]])], release=prefilled if late else None)
     [out] = llm.generate([prompt], params, controllers=[controller])
     assert out.token_ids[:3] == [40, 41, 42] and len(out.token_ids) == 6
     assert controller.told[:2] == [prompt, [40, 41, 42]]
-    if delay == 0.0:  # prompt and fast-forward in one forward, then one per sampled token
+    if not late:  # prompt and fast-forward in one forward, then one per sampled token
         assert fed == [7, 1, 1]
     else:  # the prompt's logits go unused: the fast-forward needs a forward of its own
         assert fed == [4, 3, 1, 1]
@@ -347,12 +353,12 @@ def test_a_first_answer_that_stops_or_masks(tiny, monkeypatch):
 def test_a_request_cancelled_before_its_prefill_closes_its_controller_after_the_first_call(tiny):
     """The first call starts with the request: cancelling the request while that call runs closes
     the controller only once the call is over (never under a running call)."""
-    events = []
+    events, release = [], threading.Event()
 
     class Slow(_FirstAnswer):
         def mid_process(self, branch_idx, backtrack, tokens):
             events.append("call")
-            time.sleep(0.2)
+            assert release.wait(30), "never released"  # returns only after the cancel
             events.append("returned")
             return [Branch()]
 
@@ -365,6 +371,7 @@ def test_a_request_cancelled_before_its_prefill_closes_its_controller_after_the_
         time.sleep(0.001)
     tiny.engine.cancel(req.request_id)
     assert "closed" not in events
+    release.set()
     deadline = time.monotonic() + 5
     while "closed" not in events and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -506,21 +513,25 @@ def test_busy_sequences_are_left_alone_and_limit_caps_the_batch():
 
 
 def test_decodes_go_first_and_prompts_take_what_the_step_target_leaves():
-    """Stall-free batching: with sequences decoding, a long prompt gets only the tokens that keep
-    the step near its target time (here, from a fixed cost of 30 ms + 1 ms a token: twice the
-    decodes' 33 ms), in chunks; with nothing decoding, prompts take the whole budget."""
+    """Stall-free batching: with sequences decoding, prompts get only the tokens that keep the step
+    near its target time, in chunks. Here a step costs 30 ms + 1 ms a token, and the target is
+    twice a step that decodes every sequence there is; with nothing decoding, prompts take the
+    whole budget."""
     from rudder.engine.scheduler import StepBudget
 
-    plan = _Plan(max_batch_tokens=64, budget=StepBudget(fixed_s=0.030, per_token_s=0.001))
+    plan = _Plan(max_batch_tokens=128, max_seqs=16, budget=StepBudget(fixed_s=0.030, per_token_s=0.001))
     for name in (1, 2, 3):
         plan.add(name, 3)
     assert plan.step() == ({1: 3, 2: 3, 3: 3}, [])
-    plan.add(4, 70)
-    plan.add(5, 2)  # prompts are served in order: 5 waits for 4's prefill
-    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 33}, [])
-    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 33}, [])
-    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 4, 5: 2}, [])  # 33 tokens: the rest of 4, then 5 whole
-    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 1, 5: 1}, [])
+    plan.add(4, 70)  # 3 decodes (33 ms); 4 sequences: 2 x 34 ms - 33 ms = 35 tokens of prompt
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 35}, [])
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 35}, [])
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 1}, [])
+    for name in range(5, 13):  # a burst: the 12 sequences will decode together, 2 x 42 ms a step
+        plan.add(name, 10)
+    assert plan.step() == ({1: 1, 2: 1, 3: 1, 4: 1, 5: 10, 6: 10, 7: 10, 8: 10, 9: 10}, [])  # 84 - 34 = 50
+    fed, _ = plan.step()  # 9 decode (39 ms): 45 tokens of prompt, the burst's last three
+    assert fed == {**{name: 1 for name in range(1, 10)}, 10: 10, 11: 10, 12: 10}
 
 
 def test_a_step_target_below_the_decodes_cost_still_moves_prompts_on():
@@ -559,14 +570,16 @@ def test_the_step_budget_learns_the_hosts_cost_per_token():
     flat = StepBudget()
     for _ in range(50):
         flat.observe(32, 0.05)
-    assert flat.per_token_s is None and flat.prompt_tokens(32, 400) == 400
+    assert flat.per_token_s is None and flat.prompt_tokens(32, 32, 400) == 400
     budget = StepBudget()
     for tokens in [1, 300, 16, 64, 32, 500, 8] * 5:
         budget.observe(tokens, 0.02 + 0.002 * tokens)
     assert budget.per_token_s == pytest.approx(0.002) and budget.fixed_s == pytest.approx(0.02)
-    # twice the decodes' 0.02 + 16 * 0.002 = 0.052 s: 26 more tokens' worth
-    assert budget.prompt_tokens(16, 400) == 26
-    assert StepBudget(target_s=0.5, fixed_s=0.02, per_token_s=0.002).prompt_tokens(16, 100) == 100
+    # twice the decodes' 0.02 + 16 * 0.002 = 0.052 s: 26 more tokens' worth...
+    assert budget.prompt_tokens(16, 16, 400) == 26
+    # ... and with 32 sequences to decode, twice their 0.084 s: 0.168 - 0.052 s, 58 tokens
+    assert budget.prompt_tokens(16, 32, 400) == 58
+    assert StepBudget(target_s=0.5, fixed_s=0.02, per_token_s=0.002).prompt_tokens(16, 16, 100) == 100
 
 
 def test_every_runner_takes_what_the_loop_passes():
