@@ -430,6 +430,8 @@ def test_missing_source_and_unknown_builtin(tmp_path):
 
 
 def test_builtin_cache(tmp_path, monkeypatch):
+    zig_cache = build.zig_cache_dir()  # zig's own cache (content-addressed) stays the session's: only ours is new
+    monkeypatch.setattr(build, "zig_cache_dir", lambda: zig_cache)
     monkeypatch.setenv("RUDDER_HOME", str(tmp_path / "home"))
     ctl = tmp_path / "controllers"
     ctl.mkdir()

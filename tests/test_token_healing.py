@@ -339,11 +339,10 @@ def test_the_taken_back_tokens_are_not_computed(llm, tok, monkeypatch):
 
 
 def test_cli_token_healing():
-    import subprocess
+    from zygote import run_cli  # `rudder` processes forked from one that imported torch already
 
     def rudder(*args):
-        return subprocess.run([sys.executable, "-m", "rudder.cli", *args, "--model", "tiny", "--max-tokens", "6",
-                               "--temperature", "0"], capture_output=True, text=True, timeout=300)
+        return run_cli([*args, "--model", "tiny", "--max-tokens", "6", "--temperature", "0"], timeout=60)
 
     plain, healed = rudder("generate", "Hello "), rudder("generate", "Hello ", "--token-healing")
     assert healed.returncode == 0 and healed.stdout == plain.stdout  # one token per byte: nothing to heal
