@@ -22,11 +22,10 @@ OP_NONE, OP_ADD, OP_SWIGLU = 0, 1, 2  # epilogues of the linear kernels (native/
 
 # With AMX, rows below which a kernel runs on one thread: up to a tile of 16 rows a bf16 layer
 # costs what one row costs (AMX pads them: the weights' bytes set the time), and there one core
-# took the memory bandwidth in full (a 270 MB read: 6.7 GB/s on one thread, 6.4 on two). On the
-# vector path (AVX-512 BF16 / VNNI, no AMX) the kernels compute more than they read: two threads
-# decoded SmolLM2 bf16 1.36x faster than one at batch 1 on a quiet host, and 0.6x as fast while
-# two other processes kept both cores busy. So there the decoder's calls time both counts
-# (ThreadChoice) and keep the faster.
+# took the memory bandwidth in full. On the vector path (AVX-512 BF16 / VNNI, no AMX) the kernels
+# compute more than they read: two threads decoded faster than one on a quiet host and slower
+# while other processes kept both cores busy (benchmarks/RESULTS.md). So there the decoder's
+# calls time both counts (ThreadChoice) and keep the faster.
 SINGLE_THREAD_ROWS = 16
 
 _lib = None
@@ -37,8 +36,8 @@ def before_decoder(fn) -> None:
     """Run `fn` (once, in this thread) right before the next DecoderStack call, when this thread
     releases the GIL for the whole of the decoder layers; `take_before_decoder()` takes it back
     if no such call came. The engine starts its controllers' calls so: their threads then find
-    the GIL free instead of waking while the engine thread still runs Python (measured: a
-    controller call started before the forward pass made a bf16 SmolLM2 step ~0.25 ms slower)."""
+    the GIL free instead of waking while the engine thread still runs Python (a call started
+    before the forward pass made the step slower)."""
     _hooks.fn = fn
 
 
@@ -57,7 +56,7 @@ def _kernels():
 
 def size_class(rows: int) -> int:
     """The class of a decoder call by its rows, for timing like calls together: each count up to
-    16 (a verified draft of 14 rows costs ~1.3x one of 9), then powers of two."""
+    16 (a verified draft of 14 rows costs clearly more than one of 9), then powers of two."""
     return rows if rows <= 16 else 16 + rows.bit_length()
 
 
@@ -69,8 +68,7 @@ class ThreadChoice:
     calls (counted over all classes) the next call of a timed class is a probe; a probe that loses
     doubles the interval (PROBE_MIN to PROBE_MAX calls); one that wins (the host changed) resets
     it, and each other class still on the count that lost probes at its next call. A one-thread
-    probe on a quiet host costs most of a call again (a 14-row verification: 13 -> 23 ms, a
-    236-token prefill: 147 -> 270 ms), so the probes on schedule take calls of up to PROBE_ROWS
+    probe on a quiet host costs most of a call again, so the probes on schedule take calls of up to PROBE_ROWS
     rows, and a class of more rows is probed only after another class's probe won. (With a count
     per class, classes of rare calls - a draft's row counts - kept probing every few requests.)
     Results never depend on it (parallel.c)."""
@@ -179,8 +177,8 @@ class AttentionStep:
         s.x_bf16 = x_dtype == torch.bfloat16
         s.cache_bf16 = cache_dtype == torch.bfloat16
         # fp32 layers run their GEMMs on oneDNN's OpenMP threads: an attention call on our own
-        # pool between them wakes one pool while the other goes to sleep, every layer (B=16
-        # decode: 95 ms per step on two pools against 55 ms with attention on this thread).
+        # pool between them wakes one pool while the other goes to sleep, every layer (a
+        # batched decode step took far longer on two pools than with attention on this thread).
         s.threads = _threads(positions.shape[0]) if x_dtype == torch.bfloat16 else 1
         s.scale = scale
 

@@ -8,8 +8,8 @@ device:
 
 - `PackedLinear` (fp32 on the CPU): the weight reordered once into oneDNN's blocked
   layout. MKL's sgemm, which `F.linear` reaches, repacks the weight on every call and runs
-  without AVX-512 on AMD processors; packed oneDNN was 2.3-2.5x faster on every decoder GEMM of
-  SmolLM2 and 1.8-2.8x on the LM head. Residual adds and SiLU run as oneDNN post-ops, in the
+  without AVX-512 on AMD processors; packed oneDNN was faster on every decoder GEMM of SmolLM2
+  and on the LM head (benchmarks/RESULTS.md). Residual adds and SiLU run as oneDNN post-ops, in the
   same call. (In bf16 it is only the fallback without the native library: its bf16 kernels
   change with the number of rows, and so do a row's results.)
 - `Bf16Linear` (native/linear.c): bf16 weights, bf16 output, or fp32 for the LM head's logits

@@ -118,7 +118,7 @@ def build_controller(sources: list[Path], output: Path, debug: bool = False, inc
     return output
 
 
-@functools.cache  # (importlib.metadata reads the installed distributions: ~1 ms a call)
+@functools.cache  # (importlib.metadata reads the installed distributions each call)
 def _zig_version() -> str:
     try:
         from importlib.metadata import version
@@ -141,7 +141,7 @@ _keys: dict[tuple, str] = {}  # build keys by their inputs' (path, mtime, size)
 def _build_key(source: Path, debug: bool) -> str:
     """A hash of what the module is built from. Every request for a built-in controller asks for
     it, so it is kept while its files' modification times and sizes stay the same (hashing the
-    sources each time cost ~2.7 ms a request)."""
+    sources each time cost a request milliseconds)."""
     inputs = [source, *sorted(SDK_DIR.glob("*.[ch]"))]
     stamp = (debug, *((str(p), st.st_mtime_ns, st.st_size) for p in inputs for st in [p.stat()]))
     key = _keys.get(stamp)

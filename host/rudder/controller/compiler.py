@@ -11,7 +11,7 @@ raises its memory for good and slows every request. So:
 2. the compile itself runs in a worker process (compile_worker.py) that limits its own address
    space and CPU time before it reads the module and writes the serialized code to a file,
    which the host loads. Workers are reused while they stay small (a fresh interpreter costs
-   ~60 ms, more than a small module's compile) and retired once one compile took them past
+   more than a small module's compile) and retired once one compile took them past
    RETIRE_RSS, so whatever a big compile used goes back to the system;
 3. a gate lets at most `max_compiles` compiles run at once; the others wait, up to `wait_s`,
    then fail as busy (the server answers 503 with Retry-After).

@@ -188,7 +188,7 @@ class CoreController(Controller):
                 slots[4] = backtrack
                 slots[8] = n
                 ptr = inst.call("rudder_mid_process", 3, self._ticks, self._ms)
-            if _memory_size(inst.ctx, inst.memory) != inst.size:  # it grew: count it (~0.3 us a call)
+            if _memory_size(inst.ctx, inst.memory) != inst.size:  # it grew: count it
                 inst.remap()
                 if not inst.within_budget:
                     raise ControllerError("oom", f"the controller grew its memory to {inst.size >> 20} MiB while the "

@@ -24,9 +24,9 @@ engine of the same settings):
   zeroes them on reuse instead of giving them back), and wasmtime uses a never-used slot for a
   new instance while fewer than WARM_SLOTS unused slots are warm, so idle guest pages in RSS
   reach (WARM_SLOTS + the most live instances ever at once) x keep_resident. Both are kept
-  small (wasmtime's default of 100 warm slots kept ~100 x keep_resident); keep_resident holds
-  the snapshots of the built-in constraint controllers (benchmarks/RESULTS.md, "Controller
-  start").
+  small (wasmtime's default of warm slots is far more); keep_resident holds the snapshots of
+  the built-in constraint controllers (benchmarks/RESULTS.md, "Numbers the code's design rests
+  on", has what it saves a start).
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ __all__ = ["Engine", "TICK_MS", "KEEP_RESIDENT", "WASM_PAGE"]
 
 WASM_PAGE = 65536
 # The epoch tick. Deadlines are ceil(ms / tick) + 1 ticks, so a 25 ms deadline fires between
-# 26 and 28 ms: 2 ms keeps that slack within ~10% of the step budget, and the native ticker
-# costs a few microseconds a tick.
+# 26 and 28 ms: 2 ms keeps that slack within a tenth of the step budget.
 TICK_MS = 2.0
 
 

@@ -171,7 +171,7 @@ class Instance:
         err = _call_unchecked(self.ctx, self.funcs[name], self.vals, n_slots, self.trap)
         if err or self.trap[0]:
             raise self._call_error(err, name, ms)
-        # No memory-size check here (it would cost ~0.5 us a call): memory never shrinks, so
+        # No memory-size check here (a C call on every step): memory never shrinks, so
         # whatever lies inside `self.size` is valid; a pointer past it makes the reader call
         # check_growth() and look again.
         return self.vals_i32[0]

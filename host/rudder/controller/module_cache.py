@@ -1,7 +1,7 @@
 """Compiled-module cache: in memory (by sha256) and on disk (serialized native code).
 
-Compiling a controller takes Cranelift ~0.3-0.5 s for a 125 KiB module; deserializing the
-compiled form takes well under a millisecond. So compiled modules are written under the cache
+Compiling a controller takes Cranelift far longer than deserializing its compiled form
+(benchmarks/RESULTS.md, "Numbers the code's design rests on"). So compiled modules are written under the cache
 folder, named by the sha256 of the wasm bytes *and* a fingerprint of everything that makes
 compiled code incompatible (wasmtime version, engine settings, CPU architecture). wasmtime
 re-checks compatibility when deserializing; a file that fails is recompiled and replaced.
@@ -89,8 +89,8 @@ class ModuleCache(Generic[T]):
         """(module, compiled size, metadata) from the disk cache, or None.
 
         The metadata is what the load-time checks found (written only after they passed),
-        so a disk hit skips re-inspecting the module's types through wasmtime-py, which
-        costs ~0.4 ms. It is as trusted as the compiled code next to it."""
+        so a disk hit skips re-inspecting the module's types through wasmtime-py, which is
+        slow. It is as trusted as the compiled code next to it."""
         path = self.path(sha)
         if path is None:
             return None

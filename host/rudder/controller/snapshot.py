@@ -5,7 +5,7 @@ guest's stack pointer is not exported, but it is back at its initial value whene
 call is running, which is the only time we copy).
 
 Fresh guest memory is the module's data image followed by zeros, and writing a page that
-was never touched costs a page fault (~2 us), far more than copying it. So a snapshot keeps
+was never touched costs a page fault, far more than copying it. So a snapshot keeps
 only the 4 KiB pages that differ from a fresh instance, and a fork copies eagerly only the
 part of memory that is kept resident between instances (see engines.py) and, past it, only
 the 64 KiB chunks that are not all zero.
@@ -14,7 +14,7 @@ A snapshot's bytes live in an anonymous mmap of their own, never in the malloc h
 are large (a module whose init dirtied 8 MiB keeps 8 MiB) and come and go with the snapshot
 cache, and glibc, whose mmap threshold rises to 32 MiB once a large block is freed, would put
 them in its arenas, where freed ones became holes that kept the server's RSS growing
-(benchmarks/soak.py: ~17 MiB per 100 requests that never came back). For the same reason a
+(benchmarks/soak.py saw it: benchmarks/RESULTS.md). For the same reason a
 snapshot is diffed chunk by chunk, with small temporaries, not with copies of the whole memory.
 """
 

@@ -98,7 +98,7 @@ def token_table_for(tokenizer) -> bytes:
             return _cache[tokenizer]
         except (KeyError, TypeError):
             pass
-    table = build_token_table(tokenizer)  # outside the lock: may take ~0.1 s
+    table = build_token_table(tokenizer)  # outside the lock: a large vocabulary takes a while
     with _cache_lock:
         try:
             return _cache.setdefault(tokenizer, table)

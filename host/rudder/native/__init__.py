@@ -10,8 +10,8 @@ packed_linear.py call them through `rudder.kernels`), with helper threads of the
 caller never waits for unless they took work (parallel.c), or None.
 
 The library is built as a Python extension module where Python's headers are at hand (cffi's
-API mode: a call costs ~0.13 us), else as a plain shared library opened with cffi's ABI mode
-(~0.35 us a call, through libffi); RUDDER_NATIVE_ABI=1 picks the latter. `binding` says which.
+API mode: a cheaper call), else as a plain shared library opened with cffi's ABI mode (through
+libffi); RUDDER_NATIVE_ABI=1 picks the latter. `binding` says which.
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ def _build() -> Path:
 
 
 def _build_module() -> Path:
-    """The library as a Python extension module, for cffi's API mode: a call costs ~0.13 us
-    against ~0.35 us through libffi, and the per-token step makes one per sequence and step.
-    Needs Python's headers."""
+    """The library as a Python extension module, for cffi's API mode: a call costs a fraction of
+    one through libffi, and the per-token step makes one per sequence and step. Needs Python's
+    headers."""
     from ..paths import native_dir
 
     include = sysconfig.get_paths()["include"]

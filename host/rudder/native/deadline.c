@@ -9,7 +9,7 @@
  * ends a call whose thread is starved for far too long. No Python, no GIL: this runs while the
  * engine thread holds it.
  *
- * Reading a thread's CPU clock is a system call (~0.5 us here; the monotonic clock is not), and
+ * Reading a thread's CPU clock is a system call (the monotonic clock is not), and
  * almost every call ends long before one tick. So arming reads only the monotonic clock and sets
  * the epoch deadline one tick ahead; the CPU clock is first read at that tick. The CPU time the
  * call took before it is counted as the wall time since the call began, at most one tick: exact

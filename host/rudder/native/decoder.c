@@ -2,7 +2,8 @@
  * native kernels (bf16 or int8 weights, bf16 activations).
  *
  * Composing a layer from Python costs 8 kernel calls through cffi plus the module calls,
- * allocations and checks around them: ~4 ms of a 17 ms int8 decode step at batch 1 here. This
+ * allocations and checks around them: a large share of an int8 decode step at batch 1
+ * (benchmarks/RESULTS.md, "Numbers the code's design rests on"). This
  * file runs the same kernels in the same order - RMSNorm, QKV, attention, o_proj with the
  * residual add, RMSNorm, gate/up with SwiGLU, down with the residual add - so its results are
  * bit for bit those of model.py's composed path (tests check it), with the intermediate rows in

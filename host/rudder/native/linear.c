@@ -4,8 +4,8 @@
  * Why not oneDNN for these: its bf16 kernels change with the number of rows (AMX tiles for many,
  * vector code for few), so a row's result would depend on what else the step computes; its bf16
  * products come out in bf16, and the LM head's logits need fp32; and torch has no fast CPU kernel
- * for int8 weights with per-channel scales at a few rows (issue 18: _weight_int8pack_mm ran ~10x
- * slower than fp32 here).
+ * for int8 weights with per-channel scales at a few rows (_weight_int8pack_mm ran far slower than
+ * fp32: benchmarks/RESULTS.md, "Numbers the code's design rests on").
  *
  * Layout: the weight is packed once (packed_linear.py) into blocks of 16 output columns, each
  * block one contiguous run over K: bf16 [n/16][k/2][16][2] (a pair of k per column), int8
@@ -29,10 +29,8 @@
  * Work is split over groups of column blocks on torch's OpenMP threads (parallel.c): 4 blocks,
  * or 8 for 1 to WIDE_ROWS rows of bf16 without AMX. At a few rows a step takes the time of reading
  * the weights, and eight streams in flight read them faster than four on the development host
- * (SmolLM2's linears at one row, interleaved runs: 4-20 % less time; decode.py batch 1 1.07x,
- * benchmarks/RESULTS.md). From 4 rows the arithmetic per byte grows, and items of four blocks in
- * passes of MR rows measured faster (passes of 3 rows x 8 blocks, or 12 rows x 2 blocks, ran
- * 10-30 % slower there).
+ * (benchmarks/RESULTS.md). From 4 rows the arithmetic per byte grows, and items of four blocks in
+ * passes of MR rows were faster than passes of 3 rows x 8 blocks or 12 rows x 2 blocks.
  *
  * Epilogues (`op`): 0 none; 1 out += y (the residual stream, in place); 2 SwiGLU: the weight
  * holds the gate columns then the up columns (each padded to whole blocks) and out[:, j] =

@@ -1,6 +1,6 @@
 /* RMSNorm over rows: out = x / sqrt(mean(x^2) + eps) * weight, in fp32 arithmetic.
  *
- * torch's rms_norm on bf16 rows runs as ~8 separate ops (~100 us a call here); this is one pass
+ * torch's rms_norm on bf16 rows runs as several separate ops, each a pass over memory; this is one pass
  * per row. x, weight and out are each fp32 or bf16. The sum of squares runs in 16 lanes over
  * the row in order, then the lanes pairwise: a row's result never depends on the others.
  */

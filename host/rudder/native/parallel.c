@@ -2,9 +2,9 @@
  *
  * An OpenMP-style fork-join (GOMP_parallel) ends at a barrier that every thread of the team must
  * reach. On a host whose cores are shared with other jobs, the second thread is often not
- * running when a kernel starts, and every one of the ~150 kernel calls of a decode step then
- * waits a scheduler time slice for it: measured here, 2 threads ran a batch-16 step 2.2x slower
- * than 1 thread (83 vs 37 ms) while other jobs used the cores.
+ * running when a kernel starts, and every one of the kernel calls of a decode step then waits a
+ * scheduler time slice for it: while other jobs used the cores, 2 threads ran a step slower than
+ * 1 thread (benchmarks/RESULTS.md, "Numbers the code's design rests on", has the figures here).
  *
  * Here the caller publishes a job and claims work items itself, one at a time, like each
  * helper. When none is left it waits only for the items a helper has already claimed: a helper
@@ -15,16 +15,15 @@
  *
  * What a helper can still cost: it claims an item and is then preempted by another process, and
  * the caller waits out the rest of its time slice (milliseconds, against microseconds of work).
- * On a quiet machine two threads decode ~1.35x faster than one; on a busy one a step took 1.6x
- * longer. So the caller times that wait: a job whose caller waited more than STRAGGLER_NS (and
+ * On a quiet machine two threads decode faster than one; on a busy one a step took longer. So
+ * the caller times that wait: a job whose caller waited more than STRAGGLER_NS (and
  * longer than its own share of the work) had a late helper. Two late helpers within LATE_WINDOW_NS
  * mark the helpers as late: jobs run inline for BACKOFF_MIN_NS, then one job tries the helpers
  * again; each late try doubles the wait (up to BACKOFF_MAX_NS), an on-time one resets it. A lone
- * late helper changes nothing: even a quiet host preempts a helper now and then (on the
- * development host for 1.4-4 ms, several times a second: its system daemons), and running the
- * next jobs inline then cost more than the wait itself - a 233-token prefill took 172 ms instead
- * of 150. The backoff is a time, not a count of jobs, for the same reason: 32 jobs are 2 ms of a
- * decode step but 30 ms of a prefill (two late helpers in one prefill: 175 ms instead of 150).
+ * late helper changes nothing: even a quiet host preempts a helper now and then (its system
+ * daemons, for milliseconds, several times a second), and running the next jobs inline then cost
+ * a prefill more than the wait itself. The backoff is a time, not a count of jobs, for the same
+ * reason: a count of jobs is a sliver of a decode step but a large part of a prefill.
  *
  * Which thread runs which item varies; each item's arithmetic does not, so results never depend
  * on the thread count. One job at a time: a second caller (another thread) runs its loop inline.
