@@ -324,7 +324,7 @@ class ComponentController(Controller):
         child._pending, child._pending_back = list(self._pending), self._pending_back
         return child
 
-    def _release(self) -> None:
+    def _close_instance(self) -> None:
         if self._sub is not None:
             self._sub.close()
             self._sub = None

@@ -48,7 +48,7 @@ class ControllerModule:
 class Controller:
     """Drives one sequence's controller instance (docs/abi.md has the protocol). A shape
     supplies the step (`mid_process`), the copy of its state for a fork (`_fork`) and what
-    closing frees (`_release`); counting, failure and refusal are the same for all."""
+    closing frees (`_close_instance`); counting, failure and refusal are the same for all."""
 
     def __init__(self, shared, cmod: ControllerModule, request: RequestContext):
         self.request = request
@@ -88,14 +88,14 @@ class Controller:
         if self._closed:
             return
         self._closed = True
-        self._release()
+        self._close_instance()
         with self.request.lock:
             self.request.live -= 1
 
     def _fork(self) -> "Controller":
         raise NotImplementedError
 
-    def _release(self) -> None:
+    def _close_instance(self) -> None:
         raise NotImplementedError
 
     def __enter__(self) -> "Controller":

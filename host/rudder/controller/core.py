@@ -231,7 +231,7 @@ class CoreController(Controller):
         child._set_input(self._in_ptr, self._in_cap)
         return child
 
-    def _release(self) -> None:
+    def _close_instance(self) -> None:
         # The store goes with its last reference: masks handed out earlier keep it readable.
         self._inst = None
 
