@@ -500,6 +500,40 @@ def test_two_controllers_run_at_the_same_time(tok, shape):
         setter.close()
 
 
+CLOSED_MIDWAY_WAT = controller_wat(
+    extra='(data (i32.const 0x300) "in") (data (i32.const 0x310) "go") (data (i32.const 0x320) "1")',
+    # says it is in (var "in"), then waits in guest code until var "go" is set
+    mid="""(drop (call $var_set (i32.const 0x300) (i32.const 2) (i32.const 0x320) (i32.const 1)))
+           (block $done (loop $l
+             (br_if $done (i32.ne (call $var_get (i32.const 0x310) (i32.const 2) (i32.const 0x330) (i32.const 4))
+                                  (i32.const -1)))
+             (br $l)))
+           (i32.const 0x100)""")
+
+
+@both
+def test_a_controller_closed_during_its_call_is_freed_after_it(tok, shape):
+    """The engine may close a sequence's controller while a late call of it still runs on a
+    controller thread (its request failed meanwhile): the call finishes on an instance that is
+    still there, and its memory leaves the budget when the call is over."""
+    with ControllerRuntime(tok, limits=Limits(mid_process_ms=30_000), cache_dir=False) as rt:
+        ctl = rt.start(rt.load(shape.wasm(CLOSED_MIDWAY_WAT)), "")
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(ctl.mid_process(0, 0, [1])))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while b"in" not in ctl.request.vars:  # the call is inside the guest now, and stays until "go"
+            assert time.monotonic() < deadline and thread.is_alive(), outcome
+            time.sleep(0.001)
+        ctl.close()
+        assert rt.guest_memory.used > 0  # still held by the running call
+        ctl.request.var_set(b"go", b"1")
+        thread.join(60)
+        assert not thread.is_alive() and outcome and outcome[0][0].samples
+        del outcome, thread, ctl
+        assert rt.guest_memory.used == 0
+
+
 # -- the native step (native/deadline.c, rudder_step_call) against the Python decoder -----------
 
 _POKED_RESULT = 0x200  # the controller answers with the pointer the test stores here

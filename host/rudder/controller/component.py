@@ -328,6 +328,6 @@ class ComponentController(Controller):
         if self._sub is not None:
             self._sub.close()
             self._sub = None
-        inst, self._inst = self._inst, None
-        if inst is not None:
-            inst.store.close()
+        # Dropped, not freed here: a call still running on another thread holds the instance, and
+        # its store goes with the last reference (at once when no call runs), as a core module's.
+        self._inst = None
