@@ -324,6 +324,28 @@ def test_a_first_fast_forward_is_prefilled_with_the_prompt(monkeypatch, late):
     assert out.token_ids[3:] == plain.token_ids
 
 
+def test_a_first_fast_forward_streams_with_its_prefill_not_while_it_queues(monkeypatch):
+    """A first answer taken before the prefill joins the prompt, but its text streams only when
+    the sequence's first step is done: a request that queues (here behind max_seqs) shows nothing,
+    then its forced text and its first sampled token at once - no stream stalls on the queue."""
+    from rudder.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "FIRST_ANSWER_WAIT", 10.0)  # in time, however loaded the machine
+    eng = LLM("tiny", kv_cache_tokens=4096, block_size=8, max_seqs=1, controller_threads=0).engine
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    queued = eng.add_request([8, 9], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                             _FirstAnswer([Branch(ff=[[40, 41]])]))
+    seen = []  # per step: the queued sequence's cached positions, and the tokens it streamed
+    while eng.has_unfinished():
+        deltas = eng.step()
+        seen.append((queued.seqs[0].num_cached, [t for d in deltas if d.request_id == queued.request_id
+                                                 for t in d.token_ids]))
+    shown = next(i for i, (_, tokens) in enumerate(seen) if tokens)
+    assert shown == 3 and all(cached == 0 for cached, _ in seen[:shown])  # behind the first's 3 steps
+    cached, tokens = seen[shown]
+    assert cached == 4 and tokens[:2] == [40, 41] and len(tokens) == 3  # prompt + ff in one forward, a token
+
+
 def test_a_first_answer_that_stops_or_masks(tiny, monkeypatch):
     """A stop as the first answer ends the request before any forward; a mask waits for the
     prompt's logits (and is not asked for twice)."""

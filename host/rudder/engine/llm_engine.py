@@ -135,6 +135,10 @@ class Engine:
         weakref.finalize(self, self.calls.close)
         self.sampler = Sampler(self.model_config.vocab_size)  # for late sequences' kept rows
         self._late: dict[int, _Late] = {}  # by seq_id
+        # What a first answer taken before the prefill appended, by seq_id, with its sequence: it
+        # streams when the sequence's first step completes (or it ends), so that a stream never
+        # shows forced text and then waits for the prompt's turn.
+        self._held: dict[int, tuple[Sequence, list[Delta]]] = {}
         self.failure: str | None = None  # set when the runner failed for good
         self.requests: dict[int, Request] = {}
         self._request_ids = itertools.count()
@@ -206,6 +210,7 @@ class Engine:
             return
         req.cancelled = True
         for seq in req.seqs:
+            self._held.pop(seq.seq_id, None)
             if not seq.finished:
                 self.steering.finish(seq, "cancelled")
         del self.requests[request_id]
@@ -231,7 +236,18 @@ class Engine:
             self._complete(self._in_flight.popleft(), deltas)
             if self.failure is None:
                 break
+        if self._held:
+            self._release_ended(deltas)
         return deltas
+
+    def _release_ended(self, deltas: list[Delta]) -> None:
+        """Held deltas of sequences that ended before their first step go out, before their end."""
+        for seq_id, (seq, held) in list(self._held.items()):
+            if seq.finished:
+                del self._held[seq_id]
+                at = next((i for i, d in enumerate(deltas) if (d.request_id, d.branch) == (seq.request_id, seq.branch)),
+                          len(deltas))
+                deltas[at:at] = held
 
     def _launch_next(self, deltas: list[Delta]) -> _Flight | None:
         busy, m = self._busy, self.config.micro_batches
@@ -279,8 +295,10 @@ class Engine:
                 continue  # it needs the prompt's logits
             seq.cursor.started = None
             seq.request.usage.controller_s += secs
-            self.steering.apply_answer(seq, -1, answer, deltas, secs)  # samples nothing
-            self._check_budgets({seq.request}, deltas)
+            out: list[Delta] = []
+            self.steering.apply_answer(seq, -1, answer, out, secs)  # samples nothing
+            self._check_budgets({seq.request}, out)
+            self._held.setdefault(seq.seq_id, (seq, []))[1].extend(out)
 
     def _launch(self, batch: list[ScheduledSeq], alone: bool, deltas: list[Delta]) -> _Flight | None:
         """Start the step: controllers in their threads, the forward pass here."""
@@ -342,6 +360,9 @@ class Engine:
         self._steps += 1
         self.scheduler.budget.observe(sum(e.num_tokens for e in flight.batch), flight.forward_s)
         for entry in flight.batch:
+            held = self._held.pop(entry.seq.seq_id, None)
+            if held is not None:  # its first step: what its first answer appended streams now
+                deltas.extend(held[1])
             entry.seq.num_cached += entry.num_tokens
             # its full blocks computed now are the prefix cache's (registered once their data is written)
             self.block_manager.commit(entry.seq.seq_id, entry.seq.token_ids, entry.seq.num_cached)

@@ -24,9 +24,9 @@ from .sequence import Sequence, SeqStatus
 
 __all__ = ["Headroom", "Scheduler", "StepBudget"]
 
-# Without a target time, a step with decodes in it takes at most this many times what its decodes
-# alone would: running streams' inter-token latency rises by that factor at most while a prompt
-# is prefilled beside them.
+# Without a target time, a step with decodes in it takes at most this many times what a step
+# decoding every sequence there is (running and waiting) would: the streams' inter-token latency
+# while prompts are prefilled stays within that factor of what it is once they all decode.
 STALL_FACTOR = 2.0
 # The fewest prompt tokens a step with decodes still takes, so that a prompt always moves on
 # (with many decodes, or a target shorter than the decodes themselves).
@@ -42,8 +42,10 @@ class StepBudget:
 
     The engine reports every step's tokens and forward time (`observe`); a least-squares line
     `seconds = fixed + per_token * tokens`, older steps forgotten geometrically, models the host.
-    `target_s` is the step time to stay near; None: STALL_FACTOR times the decodes' own time.
-    Until the host has been measured, prompts take the whole budget."""
+    `target_s` is the step time to stay near; None: STALL_FACTOR times a step that decodes every
+    sequence there is (a burst of arrivals then gets in within a few steps: the streams' steps
+    grow as they will once all decode, not by the whole burst's prefill). Until the host has been
+    measured, prompts take the whole budget."""
 
     def __init__(self, target_s: float | None = None, fixed_s: float | None = None,
                  per_token_s: float | None = None):
@@ -68,12 +70,16 @@ class StepBudget:
         if self.per_token_s is not None:
             self.fixed_s = max(0.0, (y - self.per_token_s * t) / n)
 
-    def prompt_tokens(self, decode_tokens: int, most: int) -> int:
-        """Prompt tokens, at most `most`, for a step that feeds `decode_tokens` for decodes."""
+    def prompt_tokens(self, decode_tokens: int, sequences: int, most: int) -> int:
+        """Prompt tokens, at most `most`, for a step that feeds `decode_tokens` for decodes, with
+        `sequences` running and waiting (the batch they will decode in)."""
         if decode_tokens == 0 or self.per_token_s is None or self.fixed_s is None:
             return most
         decodes_s = self.fixed_s + self.per_token_s * decode_tokens
-        target = self.target_s if self.target_s is not None else STALL_FACTOR * decodes_s
+        if self.target_s is not None:
+            target = self.target_s
+        else:
+            target = STALL_FACTOR * (self.fixed_s + self.per_token_s * max(decode_tokens, sequences))
         return min(most, max(MIN_PREFILL_TOKENS, int((target - decodes_s) / self.per_token_s + 1e-6)))
 
 
@@ -150,7 +156,8 @@ class Scheduler:
             self._feed(seq, self._room, busy, capacity, unfit)
         decode_tokens = self.max_batch_tokens - self._room
         if self.budget is not None:
-            self._prompt_room = self.budget.prompt_tokens(decode_tokens, self._room)
+            sequences = min(limit, self.max_seqs, len(self.running) + len(self.waiting))
+            self._prompt_room = self.budget.prompt_tokens(decode_tokens, sequences, self._room)
 
         for seq in prompts:
             if len(self._batch) >= limit or self._prompt_room <= 0:
