@@ -199,6 +199,20 @@ def test_calls_of_many_rows_are_probed_only_once_the_host_changed(monkeypatch):
     assert choice.threads(236) == 1 and [t for r, t in used if r == 236][-100:] == [1] * 100
 
 
+def test_a_count_before_the_first_timing_is_no_probe(monkeypatch):
+    """Threads with different torch thread counts share a model's choice (a pipeline's stages in
+    one process): a call that ran with the other count before the class's own was ever timed
+    is ignored, not judged against a time that does not exist."""
+    monkeypatch.setattr(native, "amx_usable", lambda: False)
+    choice = kernels.ThreadChoice()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert choice.pick(1) == 2  # the class starts at two threads, untimed
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert choice.pick(1) == 1  # a one-thread caller
+    choice.record(1, 1, 0.5)
+    assert choice.threads(1) == 2 and choice.state[kernels.size_class(1)][1] is None
+
+
 def test_rows_take_their_own_choice(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(native, "amx_usable", lambda: False)

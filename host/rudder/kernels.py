@@ -106,6 +106,8 @@ class ThreadChoice:
             st[1] = seconds if st[1] is None else self.EMA * st[1] + (1 - self.EMA) * seconds
             self.countdown -= 1
             return
+        if st[1] is None:  # another count before the class's own was timed (a thread with other
+            return          # torch threads shares this choice: a pipeline's stages): no probe to judge
         self.due.discard(c)
         if seconds < st[1] * (1 - self.MARGIN):  # the probe won: switch, and check the others
             self.due |= {other for other, s in self.state.items() if s[0] == st[0] and s[1] is not None} - {c}
