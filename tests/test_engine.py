@@ -534,12 +534,15 @@ def test_busy_sequences_are_left_alone_and_limit_caps_the_batch():
     assert plan.step(limit=2) == ({1: 1, 2: 1}, [])
 
 
-def test_decodes_go_first_and_prompts_take_what_the_step_target_leaves():
+def test_decodes_go_first_and_prompts_take_what_the_step_target_leaves(monkeypatch):
     """Stall-free batching: with sequences decoding, prompts get only the tokens that keep the step
     near its target time, in chunks. Here a step costs 30 ms + 1 ms a token, and the target is
-    twice a step that decodes every sequence there is; with nothing decoding, prompts take the
-    whole budget."""
+    twice (STALL_FACTOR, a tunable, set here) a step that decodes every sequence there is; with
+    nothing decoding, prompts take the whole budget."""
+    from rudder.engine import scheduler
     from rudder.engine.scheduler import StepBudget
+
+    monkeypatch.setattr(scheduler, "STALL_FACTOR", 2.0)
 
     plan = _Plan(max_batch_tokens=128, max_seqs=16, budget=StepBudget(fixed_s=0.030, per_token_s=0.001))
     for name in (1, 2, 3):
@@ -584,10 +587,13 @@ def test_a_prefilling_sequence_never_holds_up_decodes_listed_after_it():
                                                              (plan.seqs[2].seq_id, 14)]
 
 
-def test_the_step_budget_learns_the_hosts_cost_per_token():
+def test_the_step_budget_learns_the_hosts_cost_per_token(monkeypatch):
     """The fit of seconds = fixed + per_token * tokens over the steps reported (no clock: the
     times are given); steps that all feed alike tell no slope, and prompts then take everything."""
+    from rudder.engine import scheduler
     from rudder.engine.scheduler import StepBudget
+
+    monkeypatch.setattr(scheduler, "STALL_FACTOR", 2.0)
 
     flat = StepBudget()
     for _ in range(50):

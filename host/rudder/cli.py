@@ -419,7 +419,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           step_target_ms: Optional[float] = typer.Option(
               None, "--step-target-ms", min=1,
               help="The time a step with decoding requests in it should stay near: prompts arriving get what the "
-                   "decodes leave of it (default: twice a step that decodes every request there is, measured "
+                   "decodes leave of it (default: 1.75 times a step that decodes every request there is, measured "
                    "on this host)."),
           max_batch_tokens: int = typer.Option(DEFAULTS.max_batch_tokens, "--max-batch-tokens", min=1,
                                                help="Tokens fed to the model per step (prompt chunks + decoding)."),

@@ -18,7 +18,7 @@ class EngineConfig:
     prefix_caching: bool = True    # reuse the KV blocks of prompts' common prefixes (engine/block_manager.py)
     max_batch_tokens: int = 512    # tokens fed per step (prompt chunks + decode tokens)
     # The time a step with decodes in it should stay near; prompts take what the decodes leave of
-    # it (engine/scheduler.py). None: twice a step that decodes every sequence there is, measured.
+    # it (engine/scheduler.py). None: 1.75 times a step that decodes every sequence there is, measured.
     step_target_ms: float | None = None
     max_seqs: int = 64             # sequences running at once
     max_forks: int = 16            # live sequences per request

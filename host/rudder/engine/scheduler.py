@@ -27,7 +27,7 @@ __all__ = ["Headroom", "Scheduler", "StepBudget"]
 # Without a target time, a step with decodes in it takes at most this many times what a step
 # decoding every sequence there is (running and waiting) would: the streams' inter-token latency
 # while prompts are prefilled stays within that factor of what it is once they all decode.
-STALL_FACTOR = 2.0
+STALL_FACTOR = 1.75
 # The fewest prompt tokens a step with decodes still takes, so that a prompt always moves on
 # (with many decodes, or a target shorter than the decodes themselves).
 MIN_PREFILL_TOKENS = 16
