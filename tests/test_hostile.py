@@ -86,6 +86,14 @@ LOOP = "(loop $l (br $l)) (i32.const 0)"
 both = pytest.mark.parametrize("shape", SHAPES, ids=str)
 
 
+def ended_at(e: ControllerError, ms: float) -> bool:
+    """A runaway ended by its deadline of `ms` of CPU time, or, on a machine so busy that its
+    thread got little of a core, by its wall-clock cap (test_deadlines.py holds the two apart)."""
+    from rudder.controller.store import wall_cap_ms
+
+    return e.kind == "timeout" and (f"deadline of {ms:g} ms" in str(e) or f"cap of {wall_cap_ms(ms):g} ms" in str(e))
+
+
 # ----------------------------------------------------------------------------- runaway code
 
 
@@ -94,7 +102,7 @@ def test_infinite_loop_in_init(rt, shape):
     t0 = time.perf_counter()
     e = start_error(rt, shape.wasm(controller_wat(init=LOOP)))
     elapsed = time.perf_counter() - t0
-    assert e.kind == "timeout" and shape.hook("rudder_init") in str(e) and f"{INIT_MS} ms" in str(e)
+    assert ended_at(e, INIT_MS) and shape.hook("rudder_init") in str(e)
     assert INIT_MS / 1000 <= elapsed < INIT_MS / 1000 + HANG_MARGIN_S
 
 
@@ -102,7 +110,7 @@ def test_infinite_loop_in_init(rt, shape):
 def test_infinite_loop_in_start(rt, shape):
     t0 = time.perf_counter()
     e = start_error(rt, shape.wasm(controller_wat(start=LOOP)), limits={"init_ms": 50})
-    assert e.kind == "timeout" and shape.hook("rudder_start") in str(e) and "50 ms" in str(e)
+    assert ended_at(e, 50) and shape.hook("rudder_start") in str(e)
     assert 0.05 <= time.perf_counter() - t0 < HANG_MARGIN_S
 
 
@@ -114,7 +122,7 @@ def test_infinite_loop_in_mid_process(rt, shape):
         ctl.mid_process(0, 0, [1])
     elapsed = time.perf_counter() - t0
     print(f"\n[{e.value.kind}] {e.value} after {elapsed * 1e3:.1f} ms")
-    assert e.value.kind == "timeout" and shape.hook("rudder_mid_process") in str(e.value) and "25 ms" in str(e.value)
+    assert ended_at(e.value, 25) and shape.hook("rudder_mid_process") in str(e.value)
     assert 0.025 <= elapsed < HANG_MARGIN_S
     ctl.close()
 

@@ -454,43 +454,48 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
 
     handler = logging.StreamHandler()  # one line per finished request, start-up notes, warnings
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-    logging.getLogger("rudder").addHandler(handler)
-    logging.getLogger("rudder").setLevel(logging.INFO)
-    try:
-        keys = KeyRing.from_sources([*api_key, *([os.environ["RUDDER_API_KEY"]] if os.environ.get("RUDDER_API_KEY")
-                                                 else [])], api_keys_file)
-        config = ServerConfig(model=model, served_model_name=served_model_name, restricted=restricted,
-                              max_concurrent=max_concurrent, max_queue=max_queue,
-                              max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
-                              max_upload_bytes=int(max_upload_mb * (1 << 20)),
-                              controller_limits=_read_limits(list(limit)) or {}, api_keys=keys,
-                              public_metrics=public_metrics, state_dir=state_dir, state_url=state_url,
-                              tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
-                              max_modules=max_modules, max_compiles=max_compiles,
-                              compile_wait_s=compile_wait_s, compile_memory_mb=compile_memory_mb,
-                              reasoning=_reasoning(reasoning_parser, reasoning_start, reasoning_end),
-                              engine_options={"kv_cache_tokens": kv_cache_tokens, "kv_cache_memory": kv_cache_memory,
-                                              "prefix_caching": prefix_caching, "step_target_ms": step_target_ms,
-                                              "max_batch_tokens": max_batch_tokens,
-                                              "max_seqs": max_seqs, "device": _device(device), "dtype": _dtype(dtype),
-                                              "pipeline_stages": _stages(pipeline_stages),
-                                              "micro_batches": pipeline_micro_batches,
-                                              "model_threads": _model_threads(model_threads),
-                                              "guest_memory_bytes": guest_memory_mb << 20,
-                                              "snapshot_bytes": snapshot_memory_mb << 20})
-        from .controller import Limits
+    logger = logging.getLogger("rudder")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:  # (the handler goes with the command: serve run in-process must not leave it writing to a closed stream)
+        try:
+            keys = KeyRing.from_sources([*api_key, *([os.environ["RUDDER_API_KEY"]] if os.environ.get("RUDDER_API_KEY")
+                                                     else [])], api_keys_file)
+            config = ServerConfig(model=model, served_model_name=served_model_name, restricted=restricted,
+                                  max_concurrent=max_concurrent, max_queue=max_queue,
+                                  max_tokens=max_tokens, default_max_tokens=min(256, max_tokens),
+                                  max_upload_bytes=int(max_upload_mb * (1 << 20)),
+                                  controller_limits=_read_limits(list(limit)) or {}, api_keys=keys,
+                                  public_metrics=public_metrics, state_dir=state_dir, state_url=state_url,
+                                  tenant_max_concurrent=tenant_max_concurrent, tenant_max_modules=tenant_max_modules,
+                                  max_modules=max_modules, max_compiles=max_compiles,
+                                  compile_wait_s=compile_wait_s, compile_memory_mb=compile_memory_mb,
+                                  reasoning=_reasoning(reasoning_parser, reasoning_start, reasoning_end),
+                                  engine_options={"kv_cache_tokens": kv_cache_tokens,
+                                                  "kv_cache_memory": kv_cache_memory,
+                                                  "prefix_caching": prefix_caching, "step_target_ms": step_target_ms,
+                                                  "max_batch_tokens": max_batch_tokens, "max_seqs": max_seqs,
+                                                  "device": _device(device), "dtype": _dtype(dtype),
+                                                  "pipeline_stages": _stages(pipeline_stages),
+                                                  "micro_batches": pipeline_micro_batches,
+                                                  "model_threads": _model_threads(model_threads),
+                                                  "guest_memory_bytes": guest_memory_mb << 20,
+                                                  "snapshot_bytes": snapshot_memory_mb << 20})
+            from .controller import Limits
 
-        Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
-        _check_state(config)  # an unusable --state-dir or --state-url fails here, in one line
-        # The model (and its pipeline stages) is up before the port is bound: a bad model or layout
-        # is a one-line error, and under torchrun the ranks > 0 serve their stage here and exit.
-        llm = LLM(model, controller_limits=config.controller_limits or None, **config.engine_options)
-    except _user_errors() as e:
-        _fail(str(e))
-    try:
-        uvicorn.run(create_app(config, llm), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+            Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
+            _check_state(config)  # an unusable --state-dir or --state-url fails here, in one line
+            # The model (and its pipeline stages) is up before the port is bound: a bad model or layout
+            # is a one-line error, and under torchrun the ranks > 0 serve their stage here and exit.
+            llm = LLM(model, controller_limits=config.controller_limits or None, **config.engine_options)
+        except _user_errors() as e:
+            _fail(str(e))
+        try:
+            uvicorn.run(create_app(config, llm), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        finally:
+            llm.close()
     finally:
-        llm.close()
+        logger.removeHandler(handler)
 
 
 def _check_state(config) -> None:
