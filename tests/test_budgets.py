@@ -222,6 +222,6 @@ _LLM = []
 def _tiny_llm():
     from rudder import LLM
 
-    if not _LLM:
-        _LLM.append(LLM("tiny"))
+    if not _LLM:  # (a short init deadline: the init that loops need not run its default second)
+        _LLM.append(LLM("tiny", controller_limits={"init_ms": 200}))
     return _LLM[0]
