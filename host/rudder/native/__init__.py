@@ -4,7 +4,7 @@ builds controllers) and called through cffi.
 
 `mask_kernel()` returns the kernel, or None when it cannot be built (no zig, an odd platform;
 the reason is in `unavailable_reason`): callers then use their numpy path. `deadline.c` is the
-sandbox's CPU-time deadline (controller/instance.py); without it deadlines are wall-clock.
+sandbox's CPU-time deadline (controller/store.py); without it deadlines are wall-clock.
 `model_kernels()` gives the model's kernels (attention.c, linear.c, norm.c, decoder.c; model.py and
 packed_linear.py call them through `rudder.kernels`), with helper threads of their own that the
 caller never waits for unless they took work (parallel.c), or None.
