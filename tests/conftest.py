@@ -78,6 +78,7 @@ def _builtins() -> None:
     with build_lock("builtins"):
         for name in BUILTIN_CONTROLLERS:
             builtin_controller(name)
+        builtin_controller(BUILTIN_CONTROLLERS[0], debug=True)  # zig's cache then holds the SDK's debug objects
 
 
 @pytest.fixture(autouse=True)
