@@ -22,7 +22,7 @@ from .errors import APIError
 from .metrics import Metrics
 from .registry import Registry
 from .service import ClientGone, Service
-from .store import open_store
+from .store import LocalStore, RegistryStore
 
 log = logging.getLogger("rudder.server")
 
@@ -128,3 +128,21 @@ class _CountRequests:
             if svc is not None:
                 route = next((r.path for r in app.routes if r.matches(scope)[0] == Match.FULL), "other")
                 svc.metrics.request(route, status[0])
+
+
+def open_store(config: ServerConfig) -> RegistryStore:
+    """The store a ServerConfig names: PostgreSQL for `state_url` (its API keys joining
+    `config.api_keys`), else files + SQLite in the state directory."""
+    if config.state_url is None:
+        return LocalStore(config.state_path)
+    try:
+        from .postgres_store import PostgresStore
+    except ImportError as e:
+        raise ValueError(f"--state-url needs psycopg ({e}): pip install 'rudder[postgres]'") from None
+    store = PostgresStore(config.state_url)
+    try:
+        store.watch_keys(config.api_keys.use_stored)
+    except BaseException:
+        store.close()
+        raise
+    return store

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from .errors import APIError
 
-__all__ = ["LocalStore", "RegistryStore", "StoreUnavailable", "TagOwned", "open_store"]
+__all__ = ["LocalStore", "RegistryStore", "StoreUnavailable", "TagOwned"]
 
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_S = 3600  # a temporary file this old belongs to no live upload (another replica's would be fresh)
@@ -79,24 +79,6 @@ class RegistryStore(Protocol):
         """False if absent; TagOwned as for set_tag."""
 
     def close(self) -> None: ...
-
-
-def open_store(config) -> RegistryStore:
-    """The store a ServerConfig names: PostgreSQL for `state_url` (its API keys joining
-    `config.api_keys`), else files + SQLite in the state directory."""
-    if config.state_url is None:
-        return LocalStore(config.state_path)
-    try:
-        from .postgres_store import PostgresStore
-    except ImportError as e:
-        raise ValueError(f"--state-url needs psycopg ({e}): pip install 'rudder[postgres]'") from None
-    store = PostgresStore(config.state_url)
-    try:
-        store.watch_keys(config.api_keys.use_stored)
-    except BaseException:
-        store.close()
-        raise
-    return store
 
 
 _SCHEMA = """
