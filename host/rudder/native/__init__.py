@@ -16,6 +16,7 @@ libffi); RUDDER_NATIVE_ABI=1 picks the latter. `binding` says which.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -103,21 +104,53 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256(f"{platform.machine()}|{platform.system()}|{flags}".encode()).hexdigest()[:12]
 
 
-def _zig_cc(args: list[str], out: Path) -> Path:
-    """Run `zig cc args -o out` (written under a temporary name, then renamed); returns out."""
+def _zig(args: list[str], out: Path) -> Path:
+    """Run `zig cc -O3 -mcpu=native -fPIC args -o out` (written under a temporary name, then
+    renamed, so that concurrent builders never see half a file); returns out."""
     from ..paths import zig_cache_dir
 
     out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, ZIG_GLOBAL_CACHE_DIR=str(zig_cache_dir()), ZIG_LOCAL_CACHE_DIR=str(zig_cache_dir()))
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [sys.executable, "-m", "ziglang", "cc", "-O3", "-mcpu=native", "-shared", "-fPIC", *args,
-               *map(str, SOURCES), "-lpthread", "-o", str(tmp_out)]
+        cmd = [sys.executable, "-m", "ziglang", "cc", "-O3", "-mcpu=native", "-fPIC", *args, "-o", str(tmp_out)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "zig cc failed")
         os.replace(tmp_out, out)
     return out
+
+
+def _link(out: Path, extra: tuple[Path, list[str]] | None = None) -> Path:
+    """The library at `out`: the sources (and `extra`, a C file and its flags) compiled one per
+    process, at once - a single `zig cc` of all of them runs on one core - and linked. Both forms
+    of the library link the same objects."""
+    from ..paths import native_dir
+
+    folder = native_dir() / f"objects-{_key()}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    objects = [folder / f"{src.stem}.o" for src in SOURCES]
+    jobs = [(["-c", str(src)], obj) for src, obj in zip(SOURCES, objects) if not obj.is_file()]
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        if extra is not None:
+            objects.append(Path(tmp) / f"{extra[0].stem}.o")
+            jobs.append((["-c", *extra[1], str(extra[0])], objects[-1]))
+        # attention.c (its specialised kernels) takes longer than the rest together: first
+        jobs.sort(key=lambda job: Path(job[0][-1]).name != "attention.c")
+        if jobs:
+            with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
+                list(pool.map(lambda job: _zig(*job), jobs))
+        objects = list(map(str, objects))
+        # Linked against the system's C library, which the Python process has loaded anyway:
+        # zig's own link first builds its libc stubs and compiler-rt (seconds, on first use).
+        # -z defs makes a symbol that only compiler-rt has a link error here rather than a failed
+        # dlopen (not for the extension module, whose Python symbols the interpreter provides;
+        # it fails to load then, and library() takes the plain library).
+        defs = ["-Wl,-z,defs"] if extra is None else []
+        try:
+            return _zig(["-shared", "-nostdlib", *defs, *objects, "-lc", "-lm", "-lpthread"], out)
+        except RuntimeError:  # no C library's development files, or a compiler-rt symbol
+            return _zig(["-shared", *objects, "-lpthread"], out)
 
 
 def _key(*extra: str) -> str:
@@ -131,7 +164,7 @@ def _build() -> Path:
 
     suffix = ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
     out = native_dir() / f"rudder-native-{_key()}{suffix}"
-    return out if out.is_file() else _zig_cc([], out)
+    return out if out.is_file() else _link(out)
 
 
 def _build_module() -> Path:
@@ -157,7 +190,7 @@ def _build_module() -> Path:
         c_file = Path(tmp) / f"{_MODULE}.c"
         with contextlib.redirect_stdout(io.StringIO()):   # ("generating ...")
             api.emit_c_code(str(c_file))
-        return _zig_cc(["-I", include, str(c_file)], out)
+        return _link(out, (c_file, ["-I", include]))
 
 
 _MODULE = "_rudder_native"

@@ -1,0 +1,59 @@
+"""How the native library is built (rudder/native/__init__.py): the sources compiled one per
+process and linked against the system's C library, with zig's own full link as the fallback;
+both forms of the library (extension module, plain) link the same objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rudder import native
+
+
+class Calls(list):
+    """The `zig cc` argument lists, in order."""
+    fail_fast_link = False
+
+
+@pytest.fixture
+def calls(monkeypatch, tmp_path):
+    """`zig cc` replaced by a recorder that writes its output; the library under tmp_path."""
+    monkeypatch.setenv("RUDDER_HOME", str(tmp_path))
+    made = Calls()
+
+    def zig(args: list[str], out: Path) -> Path:
+        made.append(args)
+        if "-nostdlib" in args and made.fail_fast_link:
+            raise RuntimeError("ld.lld: error: undefined symbol: __fixdfti")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"built")
+        return out
+
+    monkeypatch.setattr(native, "_zig", zig)
+    return made
+
+
+def test_each_source_compiles_once_and_both_forms_link_the_same_objects(calls):
+    native._build()
+    compiled = [args[-1] for args in calls if args[0] == "-c"]
+    assert sorted(Path(c).name for c in compiled) == sorted(s.name for s in native.SOURCES)
+    assert Path(compiled[0]).name == "attention.c"  # the slowest starts first
+    link = calls[-1]
+    assert link[:2] == ["-shared", "-nostdlib"] and "-Wl,-z,defs" in link and link[-3:] == ["-lc", "-lm", "-lpthread"]
+    calls.clear()
+    native._build_module()
+    # only the binding's C file is compiled now; the link takes the plain library's objects too
+    assert [Path(args[-1]).suffix for args in calls if args[0] == "-c"] == [".c"] and len(calls) == 2
+    link = calls[-1]
+    objects = [a for a in link if a.endswith(".o")]
+    assert len(objects) == len(native.SOURCES) + 1
+    assert "-Wl,-z,defs" not in link  # the module's Python symbols come from the interpreter
+
+
+def test_a_failed_fast_link_falls_back_to_zigs_own(calls):
+    calls.fail_fast_link = True
+    out = native._build()
+    assert out.read_bytes() == b"built"
+    fast, full = calls[-2], calls[-1]
+    assert "-nostdlib" in fast and "-nostdlib" not in full and full[0] == "-shared" and full[-1] == "-lpthread"
