@@ -166,7 +166,11 @@ class ServeProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
+        died = self.proc is not None and self.proc.poll()
         self.stop()
+        if exc[0] is not None:  # a failing test shows what the server said (pytest prints stderr)
+            print(f"rudder serve (exit {died if died is not None else 'after the test'}):\n{self.output()[-4000:]}",
+                  file=sys.stderr)
 
 
 def sse_events(response: httpx.Response):
