@@ -64,14 +64,13 @@ if TYPE_CHECKING:
 __all__ = ["Engine"]
 
 # Cores' worth of CPU the controllers' calls used lately (ControllerCalls.demand) above which the
-# model leaves them a core: a busy-loop neighbour of 5 ms a step uses ~0.5, the json controller
-# ~0.005 (30-50 us a step).
+# model leaves them a core: a busy-looping neighbour is well above it, the json controller far
+# below (the numbers: benchmarks/RESULTS.md, "Numbers the code's design rests on").
 CONTROLLER_CORE_DEMAND = 0.1
 # A controller's first call starts when its request is added, and the engine waits up to this long
 # for the answer before the prompt's prefill: a pure fast-forward (a JSON schema's `{"key":"`)
-# then joins the prompt, which saves a forward (~10 ms for SmolLM2 on the development CPU; the
-# json controller answers in ~0.05 ms). A slower first call goes on while the prompt is computed,
-# as every call does.
+# then joins the prompt, which saves a forward pass for the price of a short wait. A slower first
+# call goes on while the prompt is computed, as every call does.
 FIRST_ANSWER_WAIT = 0.002
 
 
