@@ -73,3 +73,19 @@ for batch in (1, 16):
     o = gpu.generate(ps, p)
     torch.cuda.synchronize(); dt = time.perf_counter() - t
     print(f"cuda tiny fp32 B={batch}: {sum(len(x.token_ids) for x in o) / dt:.0f} tok/s (host-bound: a tiny model)", flush=True)
+
+# KV memory from the device and prefix caching (issue 30): the default cache is sized from the
+# GPU's free memory; a shared prompt is computed once, and greedy tokens are the same without it.
+sized = LLM("tiny", device="cuda", dtype="bf16")
+print(f"cuda default KV cache: {sized.engine.config.kv_cache_tokens} tokens "
+      f"({torch.cuda.mem_get_info()[0] / 2 ** 30:.1f} GiB free after allocating it)", flush=True)
+shared = "You are a helpful assistant. " * 60
+asks = [shared + q for q in ("Name a colour.", "Name a fish.", "Name a tree.", "Name a city.")]
+runs = {}
+for caching in (True, False):
+    llm = LLM("tiny", device="cuda", dtype="fp32", kv_cache_tokens=8192, block_size=16, prefix_caching=caching)
+    first = llm.generate(asks[:1], GREEDY)
+    rest = llm.generate(asks[1:], GREEDY)
+    runs[caching] = ([o.token_ids for o in first + rest], [o.cached_tokens for o in rest])
+print(f"cuda prefix cache: same tokens on and off {runs[True][0] == runs[False][0]}; cached prompt tokens "
+      f"on {runs[True][1]}, off {runs[False][1]}", flush=True)

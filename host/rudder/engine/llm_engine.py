@@ -520,7 +520,8 @@ class Engine:
         return [Completion(req.request_id, s.branch, s.output.text, s.output_ids, s.finish_reason or "",
                            len(req.prompt_ids), s.logprobs if s.params.logprobs is not None else None, s.error,
                            speculative=stats,
-                           trace=None if req.trace is None else [t for t in req.trace if t.branch == s.branch])
+                           trace=None if req.trace is None else [t for t in req.trace if t.branch == s.branch],
+                           cached_tokens=req.usage.cached_tokens)
                 for s in req.seqs]
 
     def release(self, req: Request) -> None:

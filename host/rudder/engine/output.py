@@ -63,6 +63,7 @@ class Completion:
     speculative: dict | None = None  # speculative decoding stats of the request (engine/speculative.py)
     trace: list | None = None  # the Branch records applied to this sequence (engine/trace.py), when asked for
     reasoning: str | None = None  # a reasoning request's thinking (SamplingParams.reasoning); `text` is the answer
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held when the request was admitted
 
 
 class TextOutput:
