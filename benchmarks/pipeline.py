@@ -61,7 +61,7 @@ def decode(llm: LLM, batch: int, prompt_tokens: int, decode_tokens: int, tempera
         steps.append(time.perf_counter() - t0)
     wall = time.perf_counter() - start
     for r in reqs:
-        engine.release(r)
+        engine.forget(r)
     return {"tok_s": tokens / wall, "ms_per_step": 1000 * statistics.median(steps), "wall_s": wall,
             "rank0_busy_s": getattr(runner, "busy_s", 0.0) - busy0}
 

@@ -95,7 +95,7 @@ def run(llm: LLM, k: int, loops: int | None, tokens: int) -> tuple[float, list[i
     cpu_ms = [1e3 * r.usage.controller_s / r.usage.sampled_tokens for r in others if r.usage.sampled_tokens]
     for r in [plain, *others]:
         eng.cancel(r.request_id)
-        eng.release(r)
+        eng.forget(r)
     return (len(out) - 1) / (last - first), out, theirs / (last - first), failed, \
         float(np.max(cpu_ms)) if cpu_ms else 0.0
 

@@ -60,7 +60,7 @@ def measure(llm, batch: int, steps: int, temperature: float, coin: random.Random
             records += r.trace or []
     for r in reqs:
         llm.engine.cancel(r.request_id)
-        llm.engine.release(r)
+        llm.engine.forget(r)
     p, t = float(np.median(arms["plain"])), float(np.median(arms["traced"]))
     return {"batch": batch, "temperature": temperature, "plain_ms_per_step": 1e3 * p, "traced_ms_per_step": 1e3 * t,
             "extra_us_per_step": 1e6 * (t - p), "extra_us_per_sequence_step": 1e6 * (t - p) / batch,

@@ -178,8 +178,8 @@ def test_invalid_branches_fail_only_their_request(llm, branches, message):
     while not (good.finished and bad.finished):
         llm.engine.step()
     [g], failed = llm.engine.completions(good), llm.engine.completions(bad)
-    llm.engine.release(good)
-    llm.engine.release(bad)
+    llm.engine.forget(good)
+    llm.engine.forget(bad)
     assert g.token_ids == fresh(llm, PROMPT)
     assert all(c.finish_reason == "error" for c in failed)
     assert message in failed[0].error

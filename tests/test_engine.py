@@ -66,7 +66,7 @@ def test_requests_joining_mid_decode_get_the_same_tokens(tiny):
         engine.step()
     assert [engine.completions(r)[0].token_ids for r in reqs] == expected
     for r in reqs:
-        engine.release(r)
+        engine.forget(r)
 
 
 def test_seeded_sampling_repeats_and_is_batch_independent(tiny):

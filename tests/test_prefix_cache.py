@@ -309,7 +309,7 @@ def run(llm, plan):
     out = [([c.token_ids for c in eng.completions(r)], r.usage, r.spec_stats) for r in reqs]
     for r in reqs:  # what LLM.generate returns says it too
         assert {c.cached_tokens for c in eng.completions(r)} == {r.usage.cached_tokens}
-        eng.release(r)
+        eng.forget(r)
     eng.block_manager.check_invariants()
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
     return out

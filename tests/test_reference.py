@@ -71,7 +71,7 @@ def test_prompt_logits_match(llm, hf_model):
             engine.step()
         finally:
             engine.runner.run = run
-        engine.release(req)
+        engine.forget(req)
         diff = (logits["x"][0] - ref).abs().max().item()
         assert diff < MAX_LOGIT_DIFF, f"{prompt!r}: max logit difference {diff}"
 

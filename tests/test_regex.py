@@ -604,7 +604,7 @@ def test_a_random_model_with_the_smollm2_vocabulary_matches_every_time(smollm2_t
                 engine.step()
             completions = [engine.completions(r)[0] for r in requests]
             for r in requests:
-                engine.release(r)
+                engine.forget(r)
             check_completions(completions, pattern, tok)
     finally:
         rt.close()

@@ -75,7 +75,7 @@ def _run_beside(llm, neighbour_params, neighbour, limits=None):
         assert steps < 5000, "the engine did not finish"
     out = {r.request_id: eng.completions(r) for r in (plain, other)}
     for r in (plain, other):
-        eng.release(r)
+        eng.forget(r)
     return out[plain.request_id][0], out[other.request_id], steps
 
 
@@ -148,7 +148,7 @@ def test_a_slow_controller_never_holds_up_its_neighbours(llm, alone):
         eng.step()
     got = eng.completions(other)[0].token_ids
     for r in (plain, other):
-        eng.release(r)
+        eng.forget(r)
     reference = llm.generate([NEIGHBOUR], params, controllers=[Policy(lambda *a: [Branch()])])[0].token_ids
     assert got == reference
 
@@ -164,7 +164,7 @@ def test_a_late_controllers_request_can_be_cancelled(llm):
     while not plain.finished:
         eng.step()
     release.set()
-    eng.release(plain)
+    eng.forget(plain)
     time.sleep(0.05)
     assert not eng.has_unfinished() and eng.block_manager.num_free == eng.block_manager.num_blocks
 
@@ -210,7 +210,7 @@ def test_late_forks_whose_first_answer_fails_their_request(llm):
     [a, b] = eng.completions(other)
     assert a.finish_reason == b.finish_reason == "error" and "gave up" in a.error
     for r in (plain, other):
-        eng.release(r)
+        eng.forget(r)
     assert not eng.has_unfinished()
 
 

@@ -231,7 +231,7 @@ class LLM:
                     b.text = answer or ""
             branches[0].branches = branches
             results.append(branches[0])
-            self.engine.release(r)
+            self.engine.forget(r)
         return results
 
     def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, *, chat: bool = False,
@@ -260,7 +260,7 @@ class LLM:
         finally:
             if not req.finished:
                 self.engine.cancel(req.request_id)
-            self.engine.release(req)
+            self.engine.forget(req)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, *,
              controller=None, controller_arg: str | bytes = "", controller_limits=None) -> Completion | list[Completion]:

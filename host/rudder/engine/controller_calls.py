@@ -55,7 +55,7 @@ class ControllerCalls:
     def submit(self, calls: list, hold: bool = False, inline: bool = False) -> dict[object, Future]:
         """Start calls `(key, controller, branch_idx, backtrack, tokens)`; a Future per key,
         whose result is (answer, CPU seconds). With no threads, or `inline`, the calls run here,
-        now. `hold`: the workers get them only at `release()` (the engine releases them when its
+        now. `hold`: the workers get them only at `start_held()` (the engine starts them when its
         forward pass enters native code)."""
         futures = {}
         for key, *call in calls:
@@ -80,7 +80,7 @@ class ControllerCalls:
         self._mark = (now, cpu)
         return self._demand
 
-    def release(self) -> None:
+    def start_held(self) -> None:
         """Hand the held calls to the workers."""
         held, self._held = self._held, []
         for item in held:
@@ -102,6 +102,6 @@ class ControllerCalls:
             future.set_result(result)
 
     def close(self) -> None:
-        self.release()
+        self.start_held()
         for _ in self._workers:
             self._queue.put(None)

@@ -312,7 +312,7 @@ class Engine:
             if s.cursor.started is not None:
                 calls[s.seq_id], s.cursor.started = s.cursor.started, None
         if hold and calls:
-            kernels.before_decoder(self.calls.release)
+            kernels.before_decoder(self.calls.start_held)
         # (a drafted sequence's controller answered while drafting)
         early = None
         if self.runner.capabilities.sample_at_launch and not any(
@@ -330,7 +330,7 @@ class Engine:
                 handle = self.runner.run(batch, alone, early)  # the controllers run meanwhile
             finally:
                 if hold and kernels.take_before_decoder() is not None:  # the decoder did not run
-                    self.calls.release()
+                    self.calls.start_held()
         except RunnerFailure as e:
             wait_futures(calls.values())
             deltas.extend(self._fail_all(str(e)))
@@ -524,7 +524,8 @@ class Engine:
                            cached_tokens=req.usage.cached_tokens)
                 for s in req.seqs]
 
-    def release(self, req: Request) -> None:
+    def forget(self, req: Request) -> None:
+        """Drop a finished request (its completions were read)."""
         self.requests.pop(req.request_id, None)
 
 

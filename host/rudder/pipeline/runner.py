@@ -117,7 +117,7 @@ class PipelineRunner:
             self.link.send(hidden, 1, ACT)
             # The sends of steps whose tokens came back, forgotten while the other stages compute
             # (not once the tokens are in: that is on the step's path).
-            self.link.release(self._done)
+            self.link.finish_sends(self._done)
         except LinkError as e:
             self._fail(e)
         if step.open:

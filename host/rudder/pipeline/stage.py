@@ -64,7 +64,7 @@ class Stage:
                        else link.recv(size, torch.int64, 0, PLAN).numpy())
             arrays, copies, spec = decode_plan(header, payload)
             link.step = header.step
-            link.release(header.done)  # rank 0 has those steps' tokens: their sends were all received
+            link.finish_sends(header.done)  # rank 0 has those steps' tokens: their sends were all received
             use_threads(header.threads)
             first = first or time.perf_counter()
             busy += self.step(arrays, copies, spec)

@@ -144,7 +144,7 @@ class Link:
             raise LinkError(f"lost rank {src}: {_short(e)}") from e
         return out
 
-    def release(self, through_step: float) -> None:
+    def finish_sends(self, through_step: float) -> None:
         """Forget the sends of steps up to `through_step`, whose tokens the coordinator has."""
         while self.sends and self.sends[0][0] <= through_step:
             try:
@@ -154,7 +154,7 @@ class Link:
 
     def flush(self) -> None:
         """Wait for every send so far to be received."""
-        self.release(float("inf"))
+        self.finish_sends(float("inf"))
 
 
 def _short(e: BaseException) -> str:

@@ -105,7 +105,7 @@ class EngineLoop:
         if req is None or self._jobs.pop(req.request_id, None) is None:
             return  # never added, or already finished
         self.engine.cancel(req.request_id)  # frees its KV blocks and closes its controllers
-        self.engine.release(req)
+        self.engine.forget(req)
         self.metrics.cancelled += 1
         job.outcome = "cancelled"
 
@@ -135,7 +135,7 @@ class EngineLoop:
         req = job.request
         del self._jobs[req.request_id]
         completions = self.engine.completions(req)
-        self.engine.release(req)
+        self.engine.forget(req)
         log_text = job.log_text()
         error = None
         message = req.error or next((c.error for c in completions if c.finish_reason == "error"), None)
