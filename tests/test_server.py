@@ -384,3 +384,21 @@ def test_serve_with_a_bad_layout_or_model_is_one_line():
     for args in (["-m", "tiny:4", "--pipeline-stages", "3,2"], ["-m", "no-such-model"]):
         result = CliRunner().invoke(app, ["serve", "--port", "0", *args])
         assert result.exit_code == 1 and "error:" in result.output and "Traceback" not in result.output, args
+
+
+def test_text_with_unicode_line_ends_streams_one_event_per_line(server):
+    """U+0085, U+2028 and U+2029 end a line for str.splitlines, and so for httpx's and requests'
+    iter_lines, which clients read event streams with (not for SSE or JSON): a stream escapes
+    them, so each event is one line there and the text comes back whole."""
+    text = "a\x85b\u2028c\u2029d"
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True,
+                "rudder": {"controller": "force", "controller_arg": text}}) as r:
+            events = list(sse_events(r))  # json.loads fails on half an event
+        assert events[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]) == text
+        with c.stream("POST", "/v1/run", json={"controller": "force", "controller_arg": text, "prompt": "x",
+                                                "max_tokens": 20}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert all(line.startswith("data: ") for line in lines), lines

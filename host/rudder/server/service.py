@@ -277,6 +277,16 @@ def event_stream(svc: "Service", jobs: list, body) -> StreamingResponse:
                              background=BackgroundTask(svc.end, jobs))
 
 
+# Characters that end a line for str.splitlines - and so for httpx's and requests' iter_lines,
+# which clients read event streams with - though not for SSE or JSON: escaped in an event, a
+# token that decodes to one cannot cut the event in two.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict | str) -> str:
     """One Server-Sent Event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    if not isinstance(data, str):
+        data = json.dumps(data, ensure_ascii=False)
+        if "\x85" in data or "\u2028" in data or "\u2029" in data:
+            data = data.translate(_LINE_ENDS)
+    return f"data: {data}\n\n"
