@@ -85,7 +85,7 @@ def make_runtime(kind: str, tok: Tokenizer, max_forks: int = 16, backtrack_allow
         return MiniRuntime(tok, max_forks=max_forks, backtrack_allowed=backtrack_allowed)
     from rudder.controller import ControllerRuntime, Limits
 
-    return ControllerRuntime(tok, Limits(max_forks=max_forks), cache_dir=False, max_instances=64,
+    return ControllerRuntime(tok, Limits(max_forks=max_forks), max_instances=64,
                              backtrack_allowed=backtrack_allowed)
 
 

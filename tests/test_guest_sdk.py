@@ -335,7 +335,7 @@ SLACK = Limits(mid_process_ms=2000, init_ms=10_000)
 
 def sandbox(tok: Tokenizer) -> ControllerRuntime:
     """The product's sandbox for `tok` (no disk cache: these modules are throwaway)."""
-    return ControllerRuntime(tok, SLACK, cache_dir=False)
+    return ControllerRuntime(tok, SLACK)
 
 
 class fails_with:

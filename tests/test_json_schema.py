@@ -203,7 +203,7 @@ def compact(doc) -> str:
 
 
 def _runtime(tokenizer) -> ControllerRuntime:
-    return ControllerRuntime(tokenizer, Limits(mid_process_ms=2000, init_ms=5000), cache_dir=False)
+    return ControllerRuntime(tokenizer, Limits(mid_process_ms=2000, init_ms=5000))
 
 
 @pytest.fixture(scope="module")
@@ -640,7 +640,7 @@ def test_random_walks_never_dead_end(name):
     from rudder.tokenizer import Tokenizer
 
     tok = Tokenizer.byte_level(512)
-    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000), cache_dir=False)
+    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000))
     module = runtime.load(builtin_controller("json"))
     favour = [tok.encode(c)[0] for c in '{[",:']
     for seed in range(8):

@@ -173,7 +173,7 @@ def test_random_walks_write_only_declared_keys(name):
     offered, at any position. The byte-level tokenizer: every state is visited."""
     schema, closed = CLOSED[name]
     tok = Tokenizer.byte_level(512)
-    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000), cache_dir=False)
+    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000))
     module = runtime.load(builtin_controller("json"))
     favour = [tok.encode(c)[0] for c in ',"{']
     done = 0
@@ -284,7 +284,7 @@ def test_no_more_keys_once_every_name_is_written(rt, module, byte_tok):
 def test_random_walks_never_dead_end_nor_repeat_a_key(name):
     schema = RESTRICTED[name]
     tok = Tokenizer.byte_level(512)
-    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000), cache_dir=False)
+    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000))
     module = runtime.load(builtin_controller("json"))
     favour = [tok.encode(c)[0] for c in ',"\\']
     done = 0
@@ -409,7 +409,7 @@ _CACHE_RT: dict = {}
 
 def _cache_runtime(name):
     if name not in _CACHE_RT:
-        runtime = ControllerRuntime(bpe(CACHE_TOKENIZERS[name]), Limits(mid_process_ms=2000), cache_dir=False)
+        runtime = ControllerRuntime(bpe(CACHE_TOKENIZERS[name]), Limits(mid_process_ms=2000))
         _CACHE_RT[name] = (runtime, runtime.load(builtin_controller("json")))
     return _CACHE_RT[name]
 

@@ -121,7 +121,7 @@ def parse_probe_line(line: str) -> dict | None:
 
 @pytest.fixture(scope="module")
 def byte_rt():
-    rt = ControllerRuntime(Tokenizer.byte_level(512), SLACK, cache_dir=False, max_instances=16)
+    rt = ControllerRuntime(Tokenizer.byte_level(512), SLACK, max_instances=16)
     yield rt
     rt.close()
 
@@ -320,7 +320,7 @@ def test_a_large_counted_repetition_compiles_and_matches(probe):
 
 @pytest.fixture(scope="module")
 def smol_rt(smollm2_tokenizer):
-    rt = ControllerRuntime(smollm2_tokenizer, SLACK, cache_dir=False, max_instances=32)
+    rt = ControllerRuntime(smollm2_tokenizer, SLACK, max_instances=32)
     yield rt
     rt.close()
 
@@ -594,7 +594,7 @@ def test_a_random_model_with_the_smollm2_vocabulary_matches_every_time(smollm2_t
     tok = smollm2_tokenizer
     model = build_model(TINY_CONFIG.replace(vocab_size=tok.vocab_size), None, "cpu")
     engine = Engine(model, tok, kv_cache_tokens=16384, block_size=16)
-    rt = ControllerRuntime(tok, SLACK, cache_dir=False, max_instances=64)
+    rt = ControllerRuntime(tok, SLACK, max_instances=64)
     module = rt.load(builtin_controller("regex"))
     try:
         for pattern, _ in GEN_REGEXES.values():

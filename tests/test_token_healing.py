@@ -114,7 +114,7 @@ def test_plan_takes_back_whole_characters_only():
 def rt(tok):
     from rudder.controller import ControllerRuntime, Limits
 
-    runtime = ControllerRuntime(tok, Limits(), cache_dir=False)
+    runtime = ControllerRuntime(tok, Limits())
     yield runtime
     runtime.close()
 

@@ -30,7 +30,7 @@ def tok(request):
 
 @pytest.fixture(scope="module")
 def rt(tok):
-    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000, init_ms=5000), cache_dir=False)
+    runtime = ControllerRuntime(tok, Limits(mid_process_ms=2000, init_ms=5000))
     yield runtime
     runtime.close()
 
@@ -137,7 +137,7 @@ def test_a_trigger_that_spans_tokens_and_text_after_it_in_the_same_token(rt, mod
     """On the BPE tokenizer: the trigger "o w" ends inside the token " world" ("Hello", " world");
     the rest of that token ("orld") is the constrained text's beginning."""
     tok = tiny_bpe_tokenizer()
-    r = ControllerRuntime(tok, Limits(mid_process_ms=2000, init_ms=5000), cache_dir=False)
+    r = ControllerRuntime(tok, Limits(mid_process_ms=2000, init_ms=5000))
     m = r.load(builtin_controller("triggers"))
     arg = {"triggers": [{"begin": "o w", "regex": "orld[!?]", "stop": True}]}
     w = Walk(r, m, tok, arg, "Hello world!").run()
@@ -149,7 +149,7 @@ def test_a_token_past_its_trigger_with_refused_text_is_taken_back(rt, module):
     """"Paris" is one token; with the trigger "Pa" its "ris" does not begin a number: the token
     is taken back and "Pa" written instead, and the number follows."""
     tok = tiny_bpe_tokenizer()
-    r = ControllerRuntime(tok, Limits(mid_process_ms=2000, init_ms=5000), cache_dir=False)
+    r = ControllerRuntime(tok, Limits(mid_process_ms=2000, init_ms=5000))
     ctl = r.start(r.load(builtin_controller("triggers")), json.dumps({"triggers": [{"begin": "Pa", "regex": "[0-9]+"}]}))
     [b] = ctl.mid_process(0, 0, [tok.bos_token_id])
     assert b.mask is None and not b.ff   # free text
