@@ -44,8 +44,8 @@ MUTATIONS = [
              "            x[j] = ((bits >> (31 - j)) & 1u) ? x[j] : neg_inf;",
              ["tests/test_sampler.py", "tests/test_engine.py"]),
     Mutation("the backtrack count", "host/rudder/engine/branching.py",
-             "        self.bm.pop(seq.seq_id, n)\n        seq.num_cached -= n",
-             "        self.bm.pop(seq.seq_id, max(n - 1, 0))\n        seq.num_cached -= n",
+             "            self.bm.pop(seq.seq_id, n)\n            seq.num_cached -= n",
+             "            self.bm.pop(seq.seq_id, max(n - 1, 0))\n            seq.num_cached -= n",
              ["tests/test_branches.py"]),
     Mutation("the fork copy", "host/rudder/controller/snapshot.py",
              "    ctypes.memmove(dst.base, src.base, head)", "    ctypes.memmove(dst.base, src.base, 0)",
@@ -88,8 +88,8 @@ MUTATIONS = [
              "                    add(i, out, np.full(len(out), -p.frequency_penalty / 2, dtype=np.float32))",
              ["tests/test_sampler.py"]),
     Mutation("admission past the step's token budget", "host/rudder/engine/scheduler.py",
-             "            self.waiting.popleft()\n            n = min(seq.num_pending, budget)",
-             "            self.waiting.popleft()\n            n = seq.num_pending",
+             "            n = min(seq.num_pending, self._prompt_room)\n            self._put(",
+             "            n = seq.num_pending\n            self._put(",
              ["tests/test_engine.py"]),
 ]
 
