@@ -66,8 +66,12 @@ class _Contention:
         self.before = os.sched_getaffinity(0)
         core = min(self.before)
         os.sched_setaffinity(0, {core})
-        self.burners = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
-                                          "while True: pass"]) for _ in range(self.k)]
+        # a burner dies with this process (PR_SET_PDEATHSIG), so a test run killed meanwhile (its
+        # time limit, ^C) leaves no process spinning on the core
+        burn = (f"import ctypes, os, signal\nctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+                f"if os.getppid() != {os.getpid()}: os._exit(0)\n"
+                f"os.sched_setaffinity(0, {{{core}}})\nwhile True: pass")
+        self.burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(self.k)]
         time.sleep(0.3)
         return self
 
