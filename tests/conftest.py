@@ -27,6 +27,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Set before any test imports rudder (which reads the variable lazily anyway).
 os.environ.setdefault("RUDDER_HOME", str(REPO_ROOT / ".cache" / "rudder"))
+# The bytecode cache (__pycache__, gitignored) for rudder's modules and pytest's rewritten test
+# modules, in these processes and the servers and stages they start, even where the environment
+# sets PYTHONDONTWRITEBYTECODE: each test process would otherwise compile them all again (it
+# halves the test collection's time).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 #: Where this session's SmolLM2 lives (tests that set a private $RUDDER_HOME fetch elsewhere).
 SESSION_MODEL_DIR = Path(os.environ["RUDDER_HOME"]).expanduser() / "models" / "smollm2-135m-instruct"
 
