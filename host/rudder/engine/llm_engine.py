@@ -236,10 +236,10 @@ class Engine:
             if self.failure is None:
                 break
         if self._held:
-            self._release_ended(deltas)
+            self._stream_held_of_ended(deltas)
         return deltas
 
-    def _release_ended(self, deltas: list[Delta]) -> None:
+    def _stream_held_of_ended(self, deltas: list[Delta]) -> None:
         """Held deltas of sequences that ended before their first step go out, before their end."""
         for seq_id, (seq, held) in list(self._held.items()):
             if seq.finished:
