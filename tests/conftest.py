@@ -87,6 +87,27 @@ def _builtins() -> None:
         builtin_controller(BUILTIN_CONTROLLERS[0], debug=True)  # zig's cache then holds the SDK's debug objects
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stages_forked():
+    """In-process pipelines fork their local stages from the tests' zygote (tests/zygote.py):
+    each stage then skips ~1.4 s of imports."""
+    from zygote import forked_stages
+
+    with forked_stages() as product_launch:
+        global _PRODUCT_LAUNCH_STAGE
+        _PRODUCT_LAUNCH_STAGE = product_launch
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _stages_spawned_where_marked(request, monkeypatch):
+    """`spawned_stages` tests start their stages as the product does (a `python -m` process each)."""
+    if request.node.get_closest_marker("spawned_stages") is not None:
+        from rudder.pipeline import runner
+
+        monkeypatch.setattr(runner, "launch_stage", _PRODUCT_LAUNCH_STAGE)
+
+
 @pytest.fixture(autouse=True)
 def smollm2_only_in_model_tests(request, monkeypatch):
     """Outside `model` tests, fetching (or loading) the session's SmolLM2 fails the test, so

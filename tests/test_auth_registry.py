@@ -189,7 +189,7 @@ def test_restricted_registry_is_read_only(tmp_path):
 
 def test_upload_and_tag_survive_sigkill(tmp_path):
     state = tmp_path / "state"
-    with ServeProcess("--state-dir", str(state), "--api-key", KEYS["admin"], model="tiny:1") as server:
+    with ServeProcess("--state-dir", str(state), "--api-key", KEYS["admin"], model="tiny:1", forked=True) as server:
         with httpx.Client(base_url=server.url, headers=auth("admin"), timeout=60) as c:
             mid = c.post("/v1/controllers", content=module(100)).json()["module_id"]
             assert c.post("/v1/controllers/tags", json={"tag": "kept", "module_id": mid,

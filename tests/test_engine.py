@@ -198,7 +198,7 @@ def test_controller_masks_and_runs_during_the_forward_pass(dtype, monkeypatch):
     assert overlapped == [True] * 12 and held == ([False] + [True] * 11 if native else [])
 
 
-@pytest.mark.skipif(not __import__("rudder").kernels.available(), reason="no native kernels")
+@pytest.mark.skipif("not __import__('rudder').kernels.available()", reason="no native kernels")
 def test_held_controller_calls_are_released_when_the_forward_pass_fails(monkeypatch):
     """A forward pass that fails before the native decoder starts still hands the step's held
     controller calls to the workers, so the engine fails the requests instead of waiting."""

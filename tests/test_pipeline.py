@@ -205,6 +205,7 @@ def test_a_step_alone_gets_every_stages_threads_and_sends_are_released():
         llm.close()
 
 
+@pytest.mark.spawned_stages
 def test_killing_a_stage_fails_the_run_fast_and_leaves_no_process():
     llm = LLM(MODEL, pipeline_stages=3, **OPTIONS)
     children = [c.pid for c in llm.engine.runner.children]
@@ -231,6 +232,7 @@ def test_killing_a_stage_fails_the_run_fast_and_leaves_no_process():
     llm.close()
 
 
+@pytest.mark.spawned_stages
 def test_a_hung_stage_times_out():
     llm = LLM(MODEL, pipeline_stages=2, pipeline_timeout=1.5, **OPTIONS)
     child = llm.engine.runner.children[0]

@@ -1,21 +1,25 @@
-"""Start `rudder` CLI processes fast: fork them from a parent that has already imported torch and
-rudder (about 1.3 s of imports a process otherwise). The tests that start the CLI many times (the
-SIGKILL durability loop, every hostile module through `rudder run`) use it; the others start the
-CLI the ordinary way, so both paths stay covered.
+"""Start `rudder` CLI processes and local pipeline stages fast: fork them from a parent that has
+already imported torch and rudder (about 1.4 s of CPU a process otherwise). The tests that start
+the CLI many times (the SIGKILL durability loop, every hostile module through `rudder run`) use
+it, and the suite's in-process pipelines fork their stages here (`forked_stages`); the others
+start the CLI and stages the ordinary way (every CLI test, the stage-lifecycle tests marked
+`spawned_stages`, stages under torchrun), so both paths stay covered.
 
-A child is a real process: it runs `rudder.cli` from its `main`, with its own argv, environment,
-working directory and output files, ends through the interpreter's normal exit (its exit code or
-its signal is what the test sees), and is killed with a real signal.
+A child is a real process: it runs `rudder.cli` (or `python -m MODULE`) from its `main`, with its
+own argv, environment, working directory and output files, ends through the interpreter's normal
+exit (its exit code or its signal is what the test sees), and is killed with a real signal.
 
 The zygote never runs torch work (no OpenMP pool exists to be broken by fork) and never starts a
 thread: it polls its control pipe and reaps its children in one loop. Protocol (JSON lines):
-  parent -> zygote: {"args": [...], "env": {...}, "cwd": "...", "stdout": PATH, "stderr": PATH}
+  parent -> zygote: {"args": [...], "env": {...}, "cwd": "...", "stdout": PATH, "stderr": PATH,
+                     "module": NAME (optional: run `python -m NAME ARGS` instead of the CLI)}
   zygote -> parent: {"pid": N} for each request, in order; {"exited": N, "code": C} when a child
   ends (C < 0: killed by signal -C, as subprocess reports it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -93,10 +97,12 @@ class Zygote:
                     child._ended(msg["code"])
         self._pids.put(None)  # the zygote is gone
 
-    def spawn(self, args: list[str], env: dict, stdout: Path, stderr: Path, cwd: str | None = None) -> Child:
+    def spawn(self, args: list[str], env: dict, stdout: Path, stderr: Path, cwd: str | None = None,
+              module: str | None = None) -> Child:
         with self._lock:
             self.proc.stdin.write(json.dumps({"args": args, "env": env, "cwd": cwd or os.getcwd(),
-                                              "stdout": str(stdout), "stderr": str(stderr)}) + "\n")
+                                              "stdout": str(stdout), "stderr": str(stderr),
+                                              "module": module}) + "\n")
             self.proc.stdin.flush()
         pid = self._pids.get(timeout=60)
         if pid is None:
@@ -153,6 +159,25 @@ def run_cli(args: list[str], timeout: float, env: dict | None = None) -> subproc
                                            err.read_text(errors="replace"))
 
 
+def _spawn_stage(config: dict) -> Child:
+    """rudder.pipeline.runner.launch_stage, forked: the stage writes where this process does."""
+    me = os.getpid()
+    return zygote().spawn([json.dumps(config)], dict(os.environ), Path(f"/proc/{me}/fd/1"), Path(f"/proc/{me}/fd/2"),
+                          module="rudder.pipeline")
+
+
+@contextlib.contextmanager
+def forked_stages():
+    """Local pipeline stages started in this block are forked from the zygote."""
+    from rudder.pipeline import runner
+
+    real, runner.launch_stage = runner.launch_stage, _spawn_stage
+    try:
+        yield real
+    finally:
+        runner.launch_stage = real
+
+
 # ----------------------------------------------------------------------------- the zygote side
 
 def _child(req: dict) -> None:
@@ -168,6 +193,12 @@ def _child(req: dict) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
+    if req.get("module"):
+        import runpy
+
+        sys.argv = [req["module"], *req["args"]]
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        sys.exit(0)
     sys.argv = ["rudder", *req["args"]]
     from rudder.cli import app
 
@@ -181,6 +212,7 @@ def _serve() -> None:
 
     import rudder.cli  # noqa: F401
     import rudder.llm  # noqa: F401
+    import rudder.pipeline.stage  # noqa: F401
     import rudder.server  # noqa: F401
     import rudder.server.app  # noqa: F401
 

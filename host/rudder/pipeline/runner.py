@@ -330,6 +330,12 @@ def _close_ref(ref) -> None:
 # -- starting a pipeline ---------------------------------------------------------------------------
 
 
+def launch_stage(config: dict) -> subprocess.Popen:
+    """One local stage: `python -m rudder.pipeline CONFIG_JSON` (stage.py). The runner needs only
+    what Popen offers of it: pid, poll, wait, kill, returncode."""
+    return subprocess.Popen([sys.executable, "-m", "rudder.pipeline", json.dumps(config)], stdin=subprocess.DEVNULL)
+
+
 def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, block_size: int,
                    device: str = "cpu", threads: int | None = None, timeout: float = 60.0,
                    startup_timeout: float = 300.0, dtype: str = "auto"):
@@ -364,8 +370,7 @@ def start_pipeline(spec: str, stages: int | list[int], *, kv_cache_tokens: int, 
                 config = {"model": spec, "stages": stages, "rank": rank, "world": world, "host": host,
                           "port": store.port, "num_blocks": num_blocks, "block_size": bs, "threads": threads,
                           "timeout": timeout, "device": device, "dtype": model.precision}
-                children.append(subprocess.Popen([sys.executable, "-m", "rudder.pipeline", json.dumps(config)],
-                                                 stdin=subprocess.DEVNULL))
+                children.append(launch_stage(config))
             deadline = time.monotonic() + startup_timeout
             while not store.check([f"ready/{r}" for r in range(1, world)]):
                 for rank, child in enumerate(children, start=1):
