@@ -25,21 +25,21 @@ def rope_tables(max_pos: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 class Case:
     """Two sequences with scattered blocks, random K/V already cached for their contexts."""
 
-    def __init__(self, heads, kv_heads, d, dtype, contexts, seed=0):
+    def __init__(self, heads, kv_heads, d, dtype, contexts, seed=0, block=BLOCK):
         g = torch.Generator().manual_seed(seed)
         self.heads, self.kv_heads, self.d, self.dtype = heads, kv_heads, d, dtype
-        self.contexts = contexts
-        width = (max(contexts) + 64) // BLOCK + 1
+        self.contexts, self.block = contexts, block
+        width = (max(contexts) + 64) // block + 1
         blocks = torch.randperm(width * len(contexts), generator=g)
         self.tables = blocks.reshape(len(contexts), width).to(torch.int64)
-        n_slots = width * len(contexts) * BLOCK
+        n_slots = width * len(contexts) * block
         self.k = torch.randn(n_slots, kv_heads, d, generator=g).to(dtype)
         self.v = torch.randn(n_slots, kv_heads, d, generator=g).to(dtype)
         self.cos, self.sin = rope_tables(max(contexts) + 64, d)
         self.gen = g
 
     def slot(self, seq, pos):
-        return int(self.tables[seq, pos // BLOCK]) * BLOCK + pos % BLOCK
+        return int(self.tables[seq, pos // self.block]) * self.block + pos % self.block
 
     def qkv(self, n):
         return torch.randn(n, (self.heads + 2 * self.kv_heads) * self.d, generator=self.gen).to(self.dtype)
@@ -49,7 +49,7 @@ class Case:
         positions = torch.tensor([p for _, p in tokens], dtype=torch.int64)
         seq_of = torch.tensor([s for s, _ in tokens], dtype=torch.int64)
         slots = torch.tensor([self.slot(s, p) for s, p in tokens], dtype=torch.int64)
-        step = kernels.AttentionStep(positions, slots, seq_of, self.tables, BLOCK, self.cos, self.sin, self.heads,
+        step = kernels.AttentionStep(positions, slots, seq_of, self.tables, self.block, self.cos, self.sin, self.heads,
                                      self.kv_heads, self.d, self.dtype, self.dtype, 1 / math.sqrt(self.d))
         if threads is not None:
             step.struct.threads = threads
@@ -83,6 +83,33 @@ def test_a_verified_draft_split_for_the_threads_equals_rows_decoded_alone(thread
     qkv = case.qkv(len(rows))
     k_all, v_all = case.k.clone(), case.v.clone()
     together = case.run(rows, qkv, k_all, v_all, threads=threads)
+    k_one, v_one = case.k.clone(), case.v.clone()
+    alone = torch.cat([case.run([r], qkv[i:i + 1], k_one, v_one, threads=1) for i, r in enumerate(rows)])
+    assert torch.equal(k_all, k_one) and torch.equal(v_all, v_one)
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("heads,kv_heads,d,dtype,block", [(9, 3, 64, torch.bfloat16, 16), (9, 3, 64, torch.float32, 16),
+                                                          (8, 1, 128, torch.bfloat16, 16), (9, 3, 64, torch.bfloat16, 8),
+                                                          (4, 2, 16, torch.float32, 32)])
+def test_decoding_rows_over_a_shared_prefix_equal_rows_decoded_alone(threads, heads, kv_heads, d, dtype, block):
+    """Decoding rows of sequences whose tables begin with the same blocks (a prompt from the
+    prefix cache) read the shared tiles once, as a cascade; every row equals its one-token call
+    bit for bit. Contexts end inside a tile and on one; one sequence shares fewer blocks, one
+    none, and a prefill chunk comes in the same call."""
+    contexts = [80, 83, 91, 96, 88, 40, 70]
+    case = Case(heads, kv_heads, d, dtype, contexts, block=block)
+    share = 80 // block  # the first 80 positions
+    own = int(case.tables[4, share - 1])
+    case.tables[1:5, :share] = case.tables[0, :share]
+    case.tables[4, share - 1] = own  # the fifth shares one block fewer
+    rows = [(i, contexts[i]) for i in range(5)] + [(5, 40 + i) for i in range(4)] + [(6, 70)]
+    qkv = case.qkv(len(rows))
+    before = kernels.attention_cascade_rows()
+    k_all, v_all = case.k.clone(), case.v.clone()
+    together = case.run(rows, qkv, k_all, v_all, threads=threads)
+    assert kernels.attention_cascade_rows() - before >= 4  # the call took the cascade
     k_one, v_one = case.k.clone(), case.v.clone()
     alone = torch.cat([case.run([r], qkv[i:i + 1], k_one, v_one, threads=1) for i, r in enumerate(rows)])
     assert torch.equal(k_all, k_one) and torch.equal(v_all, v_one)

@@ -118,7 +118,7 @@ def test_a_job_that_takes_fewer_helpers_than_exist_still_gets_one():
         def staggered(ctx, i):  # three helpers; they go to sleep in the reverse order of arrival
             if threading.get_ident() != main:
                 arrived.append(i)
-                time.sleep(0.03 * (3 - len(arrived)))
+                time.sleep(0.03 * max(0, 3 - len(arrived)))  # (a loaded host may let helpers claim all four)
             else:
                 deadline = time.monotonic() + 2
                 while len(arrived) < 3 and time.monotonic() < deadline:

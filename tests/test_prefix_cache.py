@@ -378,6 +378,27 @@ def test_preemption_and_readmission():
     assert any(u.admissions > 1 for _, u, _ in cached), "nothing was preempted: the test tests nothing"
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_decodes_over_a_shared_cached_prompt_read_it_once_and_match_the_uncached_run(params):
+    """On the native kernels (bf16), sequences decoding over the same cached prompt blocks attend
+    over them as one cascade (native/attention.c reads the shared tiles once): the tokens are the
+    uncached run's, whose sequences each hold their own copy."""
+    from rudder import kernels
+
+    opts = {k: v for k, v in OPTIONS.items() if k != "draft_model"}
+    prompt = list(range(10, 110))  # 100 tokens: 6 whole key tiles
+    plan = [(0, prompt + [200], params, None)] + [(2 if i == 0 else 0, prompt + [201 + i], params, None)
+                                                  for i in range(5)]
+    with LLM("tiny", dtype="bf16", **opts) as cached_llm, \
+            LLM("tiny", dtype="bf16", prefix_caching=False, **opts) as plain_llm:
+        assert cached_llm.engine.runner.capabilities.native_decoder
+        before = kernels.attention_cascade_rows()
+        usages = same_tokens(cached_llm, plain_llm, plan)
+        assert kernels.attention_cascade_rows() > before, "no cascade: the test tests nothing"
+    assert [u.cached_tokens for u in usages] == [0] + [100] * 5
+
+
 def test_pipeline_stages_share_the_cached_blocks(off):
     """The block tables (and copies) the stages receive are rank 0's: a pipeline with the cache
     gives the tokens one process without it gives."""

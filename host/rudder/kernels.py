@@ -152,6 +152,11 @@ def parallel_stats() -> dict:
     return {"jobs": out[0], "inline": out[1], "late": out[2]}
 
 
+def attention_cascade_rows() -> int:
+    """Rows the attention kernel has attended in cascades (over a prefix their sequences share)."""
+    return _kernels().rudder_attention_cascade_rows()
+
+
 def available(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and _kernels() is not None
 

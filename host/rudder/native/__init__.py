@@ -69,6 +69,7 @@ _CDEF_MODEL = """
 int rudder_linear_init(void);
 void rudder_parallel_for(void *fn, void *ctx, int64_t n, int threads);
 void rudder_parallel_stats(int64_t *out);
+int64_t rudder_attention_cascade_rows(void);
 int rudder_attention(const rudder_attn_step *s, uintptr_t qkv, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out);
 void rudder_linear_bf16(uintptr_t x, int64_t m, int64_t k, uintptr_t w, uintptr_t bias, int64_t n, uintptr_t out,
                         int32_t out_bf16, int32_t op, int32_t threads);

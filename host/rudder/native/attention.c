@@ -32,7 +32,11 @@ typedef struct {
     const rudder_attn_step *s;
     const void *qkv;
     void *k_cache, *v_cache, *out;
+    int64_t cascades;                        /* the first `cascades` units are cascades, then the groups */
     const int64_t *group_first, *group_rows; /* per group: its first token, its number of rows */
+    /* per cascade: where its rows' tokens start in cascade_tokens, its number of rows, and the
+       end of the prefix (a multiple of TILE) whose blocks every row's table shares */
+    const int64_t *cascade_first, *cascade_rows, *cascade_shared, *cascade_tokens;
 } attn_call;
 
 #define TILE 16
@@ -108,6 +112,57 @@ static inline v16f reduce16(const v16f p[16]) {
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* One row's update by one tile of keys: its scores, the online softmax, the weighted values.
+ * In scope: n (keys of the tile this row attends; the rest masked), qi/ai/mi/li (its queries,
+ * sums, running max and total), the tile as kt/vt (SH) or as the cache offsets at[] (not SH). Every
+ * path runs this same code, so a row's arithmetic never depends on the path. */
+#define ROW_TILE(D, REP, SH)                                                                       \
+    do {                                                                                           \
+        v16f valid = (v16f){0};                                                                    \
+        for (int j = 0; j < TILE; j++)                                                             \
+            valid[j] = j < n ? 0.0f : -1e30f;                                                      \
+        v16f sc[REP];                                                                              \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            v16f part[TILE];                                                                       \
+            _Pragma("clang loop unroll(full)") /* (the 16 sums then stay in registers) */          \
+            for (int j = 0; j < TILE; j++) {                                                       \
+                v16f a = (v16f){0};                                                                \
+                for (int c = 0; c < (D) / 16; c++)                                                 \
+                    a += qi[r * ((D) / 16) + c] * KEY(j, c, SH);                                   \
+                part[j] = a;                                                                       \
+            }                                                                                      \
+            sc[r] = reduce16(part);                                                                \
+        }                                                                                          \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            v16f x = sc[r] + valid;                                                                \
+            float top = hmax16(x);                                                                 \
+            top = top > mi[r] ? top : mi[r];                                                       \
+            float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                                  \
+            sc[r] = exp16_neg(x - top);                                                            \
+            li[r] = li[r] * corr + hsum16(sc[r]);                                                  \
+            mi[r] = top;                                                                           \
+            for (int c = 0; c < (D) / 16; c++)                                                     \
+                ai[r * ((D) / 16) + c] *= corr;                                                    \
+        }                                                                                          \
+        /* the weights as floats (each broadcast from memory) and the row's sums in locals         \
+           (registers): the same operations as sums in place, in the same order */                 \
+        float wj[(REP)][TILE];                                                                     \
+        v16f ar[(REP) * ((D) / 16)];                                                               \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            memcpy(wj[r], &sc[r], sizeof wj[r]);                                                   \
+            for (int c = 0; c < (D) / 16; c++)                                                     \
+                ar[r * ((D) / 16) + c] = ai[r * ((D) / 16) + c];                                   \
+        }                                                                                          \
+        for (int j = 0; j < n; j++)                                                                \
+            for (int c = 0; c < (D) / 16; c++) {                                                   \
+                v16f vv = VALUE(j, c, SH);                                                         \
+                for (int r = 0; r < (REP); r++)                                                    \
+                    ar[r * ((D) / 16) + c] += wj[r][j] * vv;                                       \
+            }                                                                                      \
+        for (int e = 0; e < (REP) * ((D) / 16); e++)                                               \
+            ai[e] = ar[e];                                                                         \
+    } while (0)
+
 /* One (group, KV head) item: the rows of a group are consecutive tokens of one sequence (a
  * drafted continuation, or a chunk of a prefill), so they attend over the same keys: each tile
  * of keys and values is read from the cache once, widened to fp32, and used by every row of the
@@ -161,51 +216,9 @@ static inline v16f reduce16(const v16f p[16]) {
         for (int64_t i = (SHARED) && p0 > pos0 ? p0 - pos0 : 0; i < rows; i++) {                   \
             int64_t left = pos0 + i + 1 - p0;                                                      \
             int n = left < TILE ? (int)left : TILE;                                                \
-            v16f valid = (v16f){0};                                                                \
-            for (int j = 0; j < TILE; j++)                                                         \
-                valid[j] = j < n ? 0.0f : -1e30f;                                                  \
             v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);             \
             float *mi = m + i * (REP), *li = l + i * (REP);                                        \
-            v16f sc[REP];                                                                          \
-            for (int r = 0; r < (REP); r++) {                                                      \
-                v16f part[TILE];                                                                   \
-                _Pragma("clang loop unroll(full)") /* (the 16 sums then stay in registers) */      \
-                for (int j = 0; j < TILE; j++) {                                                   \
-                    v16f a = (v16f){0};                                                            \
-                    for (int c = 0; c < (D) / 16; c++)                                             \
-                        a += qi[r * ((D) / 16) + c] * KEY(j, c, SHARED);                                \
-                    part[j] = a;                                                                   \
-                }                                                                                  \
-                sc[r] = reduce16(part);                                                            \
-            }                                                                                      \
-            for (int r = 0; r < (REP); r++) {                                                      \
-                v16f x = sc[r] + valid;                                                            \
-                float top = hmax16(x);                                                             \
-                top = top > mi[r] ? top : mi[r];                                                   \
-                float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
-                sc[r] = exp16_neg(x - top);                                                        \
-                li[r] = li[r] * corr + hsum16(sc[r]);                                              \
-                mi[r] = top;                                                                       \
-                for (int c = 0; c < (D) / 16; c++)                                                 \
-                    ai[r * ((D) / 16) + c] *= corr;                                                \
-            }                                                                                      \
-            /* the weights as floats (each broadcast from memory) and the row's sums in locals     \
-               (registers): the same operations as sums in place, in the same order */             \
-            float wj[(REP)][TILE];                                                                 \
-            v16f ar[(REP) * ((D) / 16)];                                                           \
-            for (int r = 0; r < (REP); r++) {                                                      \
-                memcpy(wj[r], &sc[r], sizeof wj[r]);                                               \
-                for (int c = 0; c < (D) / 16; c++)                                                 \
-                    ar[r * ((D) / 16) + c] = ai[r * ((D) / 16) + c];                               \
-            }                                                                                      \
-            for (int j = 0; j < n; j++)                                                            \
-                for (int c = 0; c < (D) / 16; c++) {                                               \
-                    v16f vv = VALUE(j, c, SHARED);                                                 \
-                    for (int r = 0; r < (REP); r++)                                                \
-                        ar[r * ((D) / 16) + c] += wj[r][j] * vv;                                   \
-                }                                                                                  \
-            for (int e = 0; e < (REP) * ((D) / 16); e++)                                           \
-                ai[e] = ar[e];                                                                     \
+            ROW_TILE(D, REP, SHARED);                                                              \
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
@@ -219,15 +232,91 @@ static inline v16f reduce16(const v16f p[16]) {
 #define KEY(j, c, SHARED) (SHARED ? kt[j][c] : load16(call->k_cache, cb, at[j] + 16 * (c)))
 #define VALUE(j, c, SHARED) (SHARED ? vt[j][c] : load16(call->v_cache, cb, at[j] + 16 * (c)))
 
+/* One (cascade, KV head) item: decoding rows of different sequences whose block tables begin
+ * with the same blocks (a prompt they share, from the prefix cache). The tiles of that shared
+ * prefix are read from the cache once and used by every row, as a group's are; each row then goes
+ * on over its own tiles, read directly as a row alone reads them. Each row sees the same tiles in
+ * the same order through ROW_TILE as it would alone, so its result is bit for bit the same. */
+#define CASCADE_BODY(D, REP)                                                                       \
+    const attn_call *call = (const attn_call *)p;                                                  \
+    const rudder_attn_step *s = call->s;                                                           \
+    int64_t h = s->heads, kvh = s->kv_heads, row = (h + 2 * kvh) * (D), g = item % kvh;            \
+    int64_t unit = item / kvh, rows = call->cascade_rows[unit], shared = call->cascade_shared[unit]; \
+    const int64_t *tok = call->cascade_tokens + call->cascade_first[unit];                         \
+    int64_t bs = s->block_size;                                                                    \
+    int cb = s->cache_bf16;                                                                        \
+    v16f q[STATE_VECS], acc[STATE_VECS], kt[TILE][(D) / 16], vt[TILE][(D) / 16];                   \
+    float m[STATE_VECS / 4], l[STATE_VECS / 4];                                                    \
+    for (int64_t i = 0; i < rows; i++)                                                             \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            int64_t t = tok[i], pos = s->positions[t], at = i * (REP) + r;                         \
+            float qf[MAX_D];                                                                       \
+            rope(qf, call->qkv, s->x_bf16, t * row + (g * (REP) + r) * (D), s->cos + pos * (D),    \
+                 s->sin + pos * (D), (D));                                                         \
+            for (int c = 0; c < (D) / 16; c++) {                                                   \
+                q[at * ((D) / 16) + c] = load16_f32(qf + 16 * c) * s->scale;                       \
+                acc[at * ((D) / 16) + c] = (v16f){0};                                              \
+            }                                                                                      \
+            m[at] = -1e30f;                                                                        \
+            l[at] = 0.0f;                                                                          \
+        }                                                                                          \
+    /* the shared tiles (whole, inside every row's context), through the first row's table */     \
+    const int64_t *first = s->tables + s->seq_of[tok[0]] * s->width;                               \
+    for (int64_t p0 = 0; p0 < shared; p0 += TILE) {                                                \
+        int64_t run = bs % TILE == 0 ? (first[p0 / bs] * bs + p0 % bs) * kvh : -1;                 \
+        int64_t at[TILE];                                                                          \
+        for (int j = 0; j < TILE; j++) {                                                           \
+            int64_t kp = p0 + j;                                                                   \
+            at[j] = ((run >= 0 ? run + j * kvh : (first[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
+            for (int c = 0; c < (D) / 16; c++) {                                                   \
+                kt[j][c] = load16(call->k_cache, cb, at[j] + 16 * c);                              \
+                vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                              \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t i = 0; i < rows; i++) {                                                       \
+            int n = TILE;                                                                          \
+            v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);             \
+            float *mi = m + i * (REP), *li = l + i * (REP);                                        \
+            ROW_TILE(D, REP, 1);                                                                   \
+        }                                                                                          \
+    }                                                                                              \
+    /* each row's own tiles, as a row alone reads them */                                         \
+    for (int64_t i = 0; i < rows; i++) {                                                           \
+        int64_t ctx = s->positions[tok[i]] + 1;                                                    \
+        const int64_t *table = s->tables + s->seq_of[tok[i]] * s->width;                           \
+        v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);                 \
+        float *mi = m + i * (REP), *li = l + i * (REP);                                            \
+        for (int64_t p0 = shared; p0 < ctx; p0 += TILE) {                                          \
+            int n = ctx - p0 < TILE ? (int)(ctx - p0) : TILE;                                      \
+            int64_t run = bs % TILE == 0 ? (table[p0 / bs] * bs + p0 % bs) * kvh : -1;             \
+            int64_t at[TILE];                                                                      \
+            for (int j = 0; j < TILE; j++) {                                                       \
+                int64_t kp = p0 + (j < n ? j : n - 1);                                             \
+                at[j] = ((run >= 0 ? run + (kp - p0) * kvh : (table[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
+            }                                                                                      \
+            ROW_TILE(D, REP, 0);                                                                   \
+        }                                                                                          \
+    }                                                                                              \
+    for (int64_t i = 0; i < rows; i++)                                                             \
+        for (int r = 0; r < (REP); r++)                                                            \
+            for (int c = 0; c < (D) / 16; c++)                                                     \
+                store16(call->out, s->x_bf16, tok[i] * h * (D) + (g * (REP) + r) * (D) + 16 * c,   \
+                        acc[(i * (REP) + r) * ((D) / 16) + c] * (1.0f / l[i * (REP) + r]));
+
+/* Units: the cascades first (the largest items, claimed first), then the groups. */
 #define ATTEND(D, REP)                                                                             \
     static void attend_one_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP, 0) }           \
     static void attend_group_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP, 1) }         \
+    static void attend_cascade_##D##_##REP(void *p, int64_t item) { CASCADE_BODY(D, REP) }         \
     static void attend_##D##_##REP(void *p, int64_t item) {                                        \
         const attn_call *call = (const attn_call *)p;                                              \
-        if (call->group_rows[item / call->s->kv_heads] > 1)                                        \
-            attend_group_##D##_##REP(p, item);                                                     \
+        int64_t kvh = call->s->kv_heads;                                                           \
+        if (item < call->cascades * kvh)                                                           \
+            attend_cascade_##D##_##REP(p, item);                                                   \
+        else if (call->group_rows[item / kvh - call->cascades] > 1)                                \
+            attend_group_##D##_##REP(p, item - call->cascades * kvh);                              \
         else                                                                                       \
-            attend_one_##D##_##REP(p, item);                                                       \
+            attend_one_##D##_##REP(p, item - call->cascades * kvh);                                \
     }
 ATTEND(16, 1) ATTEND(16, 2) ATTEND(16, 3) ATTEND(16, 4)
 ATTEND(64, 1) ATTEND(64, 2) ATTEND(64, 3) ATTEND(64, 4) ATTEND(64, 5) ATTEND(64, 6) ATTEND(64, 7) ATTEND(64, 8)
@@ -240,12 +329,16 @@ static void attend_any(void *p, int64_t item) {
     ATTEND_BODY(d, rep, 1)
 }
 
-static rudder_chunk_fn pick(int64_t d, int64_t rep) {
+/* The item function for this shape; *specialised: whether it is a compiled-in shape (only those
+ * take cascades). */
+static rudder_chunk_fn pick(int64_t d, int64_t rep, int *specialised) {
+    *specialised = 1;
 #define CASE(D, REP) if (d == D && rep == REP) return attend_##D##_##REP;
     CASE(16, 1) CASE(16, 2) CASE(16, 3) CASE(16, 4)
     CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 5) CASE(64, 6) CASE(64, 7) CASE(64, 8)
     CASE(128, 1) CASE(128, 2) CASE(128, 3) CASE(128, 4) CASE(128, 5) CASE(128, 6) CASE(128, 7) CASE(128, 8)
 #undef CASE
+    *specialised = 0;
     return attend_any;
 }
 
@@ -265,6 +358,90 @@ static int64_t make_groups(const rudder_attn_step *s, int64_t most, int64_t *fir
     return n;
 }
 
+/* The cascades: decoding rows (groups of one) of different sequences whose tables begin with the
+ * same blocks, for at least MIN_SHARED_TILES whole tiles inside every row's context. Fills the
+ * cascade arrays of `call` (tokens: `order`), removes their rows from the groups, and returns how
+ * many cascades; each is cut into pieces of at least 2 rows when the items would not give every
+ * thread two. `order` has room for every token; first/rows/shared for as many cascades. */
+#define MIN_SHARED_TILES 4
+static int64_t cascade_rows_seen; /* rows attended in cascades (rudder_attention_stats) */
+static int64_t make_cascades(const rudder_attn_step *s, int64_t most, int64_t *n_groups, int64_t *group_first,
+                             int64_t *group_rows, int64_t *order, int64_t *first, int64_t *rows, int64_t *shared) {
+    int64_t n = 0, ones = 0;
+    for (int64_t i = 0; i < *n_groups; i++) /* the decoding rows, by their first block (insertion sort) */
+        if (group_rows[i] == 1 && s->positions[group_first[i]] + 1 >= MIN_SHARED_TILES * TILE) {
+            int64_t t = group_first[i], key = s->tables[s->seq_of[t] * s->width], j = ones++;
+            for (; j > 0 && s->tables[s->seq_of[order[j - 1]] * s->width] > key; j--)
+                order[j] = order[j - 1];
+            order[j] = t;
+        }
+    int64_t kept = 0, at = 0; /* order[0, kept): rows in cascades; order[at, ones): still to look at */
+    while (at < ones) {
+        const int64_t *lead = s->tables + s->seq_of[order[at]] * s->width;
+        int64_t end = at + 1, blocks = s->width, ctx = s->positions[order[at]] + 1;
+        while (end < ones && end - at < most) { /* the run with this first block, sharing enough */
+            const int64_t *other = s->tables + s->seq_of[order[end]] * s->width;
+            int64_t same = 0, c = s->positions[order[end]] + 1;
+            while (same < blocks && other[same] == lead[same])
+                same++;
+            int64_t reach = (same * s->block_size < (c < ctx ? c : ctx) ? same * s->block_size : (c < ctx ? c : ctx));
+            if (reach / TILE < MIN_SHARED_TILES)
+                break;
+            blocks = same;
+            ctx = c < ctx ? c : ctx;
+            end++;
+        }
+        if (end - at >= 2) {
+            int64_t reach = blocks * s->block_size < ctx ? blocks * s->block_size : ctx;
+            for (int64_t j = at; j < end; j++)
+                order[kept + j - at] = order[j];
+            first[n] = kept;
+            rows[n] = end - at;
+            shared[n++] = reach / TILE * TILE;
+            kept += end - at;
+        }
+        at = end;
+    }
+    if (n == 0)
+        return 0;
+    __atomic_add_fetch(&cascade_rows_seen, kept, __ATOMIC_RELAXED);
+    /* the groups less the rows now in cascades (a row is in at most one group) */
+    int64_t g = 0;
+    for (int64_t i = 0; i < *n_groups; i++) {
+        int in = 0;
+        for (int64_t j = 0; group_rows[i] == 1 && j < kept && !in; j++)
+            in = order[j] == group_first[i];
+        if (!in) {
+            group_first[g] = group_first[i];
+            group_rows[g++] = group_rows[i];
+        }
+    }
+    *n_groups = g;
+    /* pieces, so that the threads have two items each where the rows allow it */
+    int64_t kvh = s->kv_heads, pieces = (2 * s->threads + (n + g) * kvh - 1) / ((n + g) * kvh);
+    if (pieces > 1) {
+        int64_t m = n;
+        for (int64_t c = m - 1; c >= 0; c--) { /* from the last, so that the pieces stay in order */
+            int64_t k = pieces < rows[c] / 2 ? pieces : rows[c] / 2;
+            if (k < 2)
+                continue;
+            for (int64_t e = n - 1; e > c; e--) { /* make room for k - 1 more after c */
+                first[e + k - 1] = first[e];
+                rows[e + k - 1] = rows[e];
+                shared[e + k - 1] = shared[e];
+            }
+            int64_t f = first[c], r = rows[c], sh = shared[c];
+            for (int64_t q = 0; q < k; q++) {
+                first[c + q] = f + r * q / k;
+                rows[c + q] = r * (q + 1) / k - r * q / k;
+                shared[c + q] = sh;
+            }
+            n += k - 1;
+        }
+    }
+    return n;
+}
+
 /* 0 on success; -1 for a shape the kernel does not take (the caller checks first). */
 int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, void *v_cache, void *out) {
     int64_t d = s->head_dim, rep = s->kv_heads > 0 ? s->heads / s->kv_heads : 0;
@@ -272,7 +449,7 @@ int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, 
         return -1;
     int64_t most = STATE_VECS / (rep * (d / 16));
     most = most < MAX_GROUP ? most : MAX_GROUP;
-    int64_t *groups = (int64_t *)malloc(2 * (size_t)s->tokens * sizeof(int64_t));
+    int64_t *groups = (int64_t *)malloc(6 * (size_t)s->tokens * sizeof(int64_t));
     if (groups == NULL)
         return -2;
     int64_t n = make_groups(s, most, groups, groups + s->tokens);
@@ -285,9 +462,21 @@ int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, 
             longest = groups[s->tokens + i] > longest ? groups[s->tokens + i] : longest;
         n = make_groups(s, (longest + 1) / 2, groups, groups + s->tokens);
     }
-    attn_call call = {s, qkv, k_cache, v_cache, out, groups, groups + s->tokens};
+    int specialised;
+    rudder_chunk_fn fn = pick(d, rep, &specialised);
+    int64_t *cascades = groups + 2 * s->tokens, nc = 0; /* tokens, then per cascade first/rows/shared */
+    if (specialised && n > 1)
+        nc = make_cascades(s, most, &n, groups, groups + s->tokens, cascades, cascades + s->tokens,
+                           cascades + 2 * s->tokens, cascades + 3 * s->tokens);
+    attn_call call = {s, qkv, k_cache, v_cache, out, nc, groups, groups + s->tokens, cascades + s->tokens,
+                      cascades + 2 * s->tokens, cascades + 3 * s->tokens, cascades};
     rudder_parallel_for(write_kv, &call, s->tokens, s->tokens >= 16 ? s->threads : 1);
-    rudder_parallel_for(pick(d, rep), &call, n * s->kv_heads, s->threads);
+    rudder_parallel_for(fn, &call, (nc + n) * s->kv_heads, s->threads);
     free(groups);
     return 0;
+}
+
+/* Rows attended in cascades so far, over all calls (tests and benchmarks read it). */
+int64_t rudder_attention_cascade_rows(void) {
+    return __atomic_load_n(&cascade_rows_seen, __ATOMIC_RELAXED);
 }

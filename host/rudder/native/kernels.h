@@ -28,6 +28,7 @@ typedef struct rudder_attn_step {
 } rudder_attn_step;
 
 int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, void *v_cache, void *out);
+int64_t rudder_attention_cascade_rows(void);
 void rudder_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
                         void *out, int32_t out_bf16, int32_t op, int32_t threads);
 void rudder_linear_i8(const void *x, int32_t x_bf16, int64_t m, int64_t k, const int8_t *w, const float *wscale,
