@@ -169,6 +169,7 @@ class AttentionStep:
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, seq_of: torch.Tensor, tables: torch.Tensor,
                  block_size: int, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                  x_dtype: torch.dtype, cache_dtype: torch.dtype, scale: float):
+        _kernels()  # loaded first: the struct must come from the ffi of the library that takes it
         self.keep = [t.contiguous() for t in (positions, slots, seq_of, tables)]
         positions, slots, seq_of, tables = self.keep
         s = self.struct = native.ffi.new("rudder_attn_step *")
