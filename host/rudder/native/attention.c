@@ -112,6 +112,29 @@ static inline v16f reduce16(const v16f p[16]) {
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* Row i (token t at position pos) before its first tile: for each head r of KV head g, its
+ * query rotated and scaled, its sums at zero, its running max and total. */
+#define START_ROW(D, REP, i, t, pos)                                                               \
+    for (int r = 0; r < (REP); r++) {                                                              \
+        int64_t at_ = (i) * (REP) + r;                                                             \
+        float qf[MAX_D];                                                                           \
+        rope(qf, call->qkv, s->x_bf16, (t) * row + (g * (REP) + r) * (D), s->cos + (pos) * (D),    \
+             s->sin + (pos) * (D), (D));                                                           \
+        for (int c = 0; c < (D) / 16; c++) {                                                       \
+            q[at_ * ((D) / 16) + c] = load16_f32(qf + 16 * c) * s->scale;                          \
+            acc[at_ * ((D) / 16) + c] = (v16f){0};                                                 \
+        }                                                                                          \
+        m[at_] = -1e30f;                                                                           \
+        l[at_] = 0.0f;                                                                             \
+    }
+
+/* Row i (token t) after its last tile: its sums over its total, into the output. */
+#define END_ROW(D, REP, i, t)                                                                      \
+    for (int r = 0; r < (REP); r++)                                                                \
+        for (int c = 0; c < (D) / 16; c++)                                                         \
+            store16(call->out, s->x_bf16, (t) * h * (D) + (g * (REP) + r) * (D) + 16 * c,            \
+                    acc[((i) * (REP) + r) * ((D) / 16) + c] * (1.0f / l[(i) * (REP) + r]));
+
 /* One row's update by one tile of keys: its scores, the online softmax, the weighted values.
  * In scope: n (keys of the tile this row attends; the rest masked), qi/ai/mi/li (its queries,
  * sums, running max and total), the tile as kt/vt (SH) or as the cache offsets at[] (not SH). Every
@@ -186,18 +209,7 @@ static inline v16f reduce16(const v16f p[16]) {
     v16f kt[(SHARED) ? TILE : 1][(D) / 16], vt[(SHARED) ? TILE : 1][(D) / 16];                     \
     float m[(SHARED) ? STATE_VECS / 4 : (REP)], l[(SHARED) ? STATE_VECS / 4 : (REP)];              \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        for (int r = 0; r < (REP); r++) {                                                          \
-            int64_t t = t0 + i, pos = pos0 + i, at = i * (REP) + r;                                \
-            float qf[MAX_D];                                                                       \
-            rope(qf, call->qkv, s->x_bf16, t * row + (g * (REP) + r) * (D), s->cos + pos * (D),    \
-                 s->sin + pos * (D), (D));                                                         \
-            for (int c = 0; c < (D) / 16; c++) {                                                   \
-                q[at * ((D) / 16) + c] = load16_f32(qf + 16 * c) * s->scale;                       \
-                acc[at * ((D) / 16) + c] = (v16f){0};                                              \
-            }                                                                                      \
-            m[at] = -1e30f;                                                                        \
-            l[at] = 0.0f;                                                                          \
-        }                                                                                          \
+        START_ROW(D, REP, i, t0 + i, pos0 + i);                                                    \
     for (int64_t p0 = 0; p0 < ctx_all; p0 += TILE) {                                               \
         int n_all = ctx_all - p0 < TILE ? (int)(ctx_all - p0) : TILE;                              \
         int64_t run = bs % TILE == 0 ? (table[p0 / bs] * bs + p0 % bs) * kvh : -1;                 \
@@ -222,10 +234,7 @@ static inline v16f reduce16(const v16f p[16]) {
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        for (int r = 0; r < (REP); r++)                                                            \
-            for (int c = 0; c < (D) / 16; c++)                                                     \
-                store16(call->out, s->x_bf16, (t0 + i) * h * (D) + (g * (REP) + r) * (D) + 16 * c,   \
-                        acc[(i * (REP) + r) * ((D) / 16) + c] * (1.0f / l[i * (REP) + r]));
+        END_ROW(D, REP, i, t0 + i);
 
 /* A group of one row (a decoding token) reads the cache directly: copying its tiles would cost
  * more than it saves. */
@@ -248,18 +257,7 @@ static inline v16f reduce16(const v16f p[16]) {
     v16f q[STATE_VECS], acc[STATE_VECS], kt[TILE][(D) / 16], vt[TILE][(D) / 16];                   \
     float m[STATE_VECS / 4], l[STATE_VECS / 4];                                                    \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        for (int r = 0; r < (REP); r++) {                                                          \
-            int64_t t = tok[i], pos = s->positions[t], at = i * (REP) + r;                         \
-            float qf[MAX_D];                                                                       \
-            rope(qf, call->qkv, s->x_bf16, t * row + (g * (REP) + r) * (D), s->cos + pos * (D),    \
-                 s->sin + pos * (D), (D));                                                         \
-            for (int c = 0; c < (D) / 16; c++) {                                                   \
-                q[at * ((D) / 16) + c] = load16_f32(qf + 16 * c) * s->scale;                       \
-                acc[at * ((D) / 16) + c] = (v16f){0};                                              \
-            }                                                                                      \
-            m[at] = -1e30f;                                                                        \
-            l[at] = 0.0f;                                                                          \
-        }                                                                                          \
+        START_ROW(D, REP, i, tok[i], s->positions[tok[i]]);                                        \
     /* the shared tiles (whole, inside every row's context), through the first row's table */     \
     const int64_t *first = s->tables + s->seq_of[tok[0]] * s->width;                               \
     for (int64_t p0 = 0; p0 < shared; p0 += TILE) {                                                \
@@ -298,10 +296,7 @@ static inline v16f reduce16(const v16f p[16]) {
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        for (int r = 0; r < (REP); r++)                                                            \
-            for (int c = 0; c < (D) / 16; c++)                                                     \
-                store16(call->out, s->x_bf16, tok[i] * h * (D) + (g * (REP) + r) * (D) + 16 * c,   \
-                        acc[(i * (REP) + r) * ((D) / 16) + c] * (1.0f / l[i * (REP) + r]));
+        END_ROW(D, REP, i, tok[i]);
 
 /* Units: the cascades first (the largest items, claimed first), then the groups. */
 #define ATTEND(D, REP)                                                                             \
