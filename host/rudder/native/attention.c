@@ -244,8 +244,9 @@ static inline v16f reduce16(const v16f p[16]) {
 /* One (cascade, KV head) item: decoding rows of different sequences whose block tables begin
  * with the same blocks (a prompt they share, from the prefix cache). The tiles of that shared
  * prefix are read from the cache once and used by every row, as a group's are; each row then goes
- * on over its own tiles, read directly as a row alone reads them. Each row sees the same tiles in
- * the same order through ROW_TILE as it would alone, so its result is bit for bit the same. */
+ * on over its own tiles. Each row sees the same tiles in the same order through ROW_TILE as it
+ * would alone, so its result is bit for bit the same (one expansion of ROW_TILE serves both
+ * phases: it is most of the kernel's compile time). */
 #define CASCADE_BODY(D, REP)                                                                       \
     const attn_call *call = (const attn_call *)p;                                                  \
     const rudder_attn_step *s = call->s;                                                           \
@@ -258,41 +259,29 @@ static inline v16f reduce16(const v16f p[16]) {
     float m[STATE_VECS / 4], l[STATE_VECS / 4];                                                    \
     for (int64_t i = 0; i < rows; i++)                                                             \
         START_ROW(D, REP, i, tok[i], s->positions[tok[i]]);                                        \
-    /* the shared tiles (whole, inside every row's context), through the first row's table */     \
-    const int64_t *first = s->tables + s->seq_of[tok[0]] * s->width;                               \
-    for (int64_t p0 = 0; p0 < shared; p0 += TILE) {                                                \
-        int64_t run = bs % TILE == 0 ? (first[p0 / bs] * bs + p0 % bs) * kvh : -1;                 \
-        int64_t at[TILE];                                                                          \
-        for (int j = 0; j < TILE; j++) {                                                           \
-            int64_t kp = p0 + j;                                                                   \
-            at[j] = ((run >= 0 ? run + j * kvh : (first[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
-            for (int c = 0; c < (D) / 16; c++) {                                                   \
-                kt[j][c] = load16(call->k_cache, cb, at[j] + 16 * c);                              \
-                vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                              \
-            }                                                                                      \
-        }                                                                                          \
-        for (int64_t i = 0; i < rows; i++) {                                                       \
-            int n = TILE;                                                                          \
-            v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);             \
-            float *mi = m + i * (REP), *li = l + i * (REP);                                        \
-            ROW_TILE(D, REP, 1);                                                                   \
-        }                                                                                          \
-    }                                                                                              \
-    /* each row's own tiles, as a row alone reads them */                                         \
-    for (int64_t i = 0; i < rows; i++) {                                                           \
-        int64_t ctx = s->positions[tok[i]] + 1;                                                    \
-        const int64_t *table = s->tables + s->seq_of[tok[i]] * s->width;                           \
-        v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);                 \
-        float *mi = m + i * (REP), *li = l + i * (REP);                                            \
-        for (int64_t p0 = shared; p0 < ctx; p0 += TILE) {                                          \
-            int n = ctx - p0 < TILE ? (int)(ctx - p0) : TILE;                                      \
+    /* the shared tiles (whole, inside every row's context, read through the first row's table)   \
+       for every row, then each row's own tiles for that row: one tile widened at a time */       \
+    for (int64_t own = -1; own < rows; own++) {                                                    \
+        int64_t lead = tok[own < 0 ? 0 : own];                                                     \
+        const int64_t *table = s->tables + s->seq_of[lead] * s->width;                             \
+        int64_t from = own < 0 ? 0 : shared, to = own < 0 ? shared : s->positions[lead] + 1;       \
+        for (int64_t p0 = from; p0 < to; p0 += TILE) {                                             \
+            int n = to - p0 < TILE ? (int)(to - p0) : TILE;                                        \
             int64_t run = bs % TILE == 0 ? (table[p0 / bs] * bs + p0 % bs) * kvh : -1;             \
             int64_t at[TILE];                                                                      \
             for (int j = 0; j < TILE; j++) {                                                       \
-                int64_t kp = p0 + (j < n ? j : n - 1);                                             \
+                int64_t kp = p0 + (j < n ? j : n - 1); /* past the end: the last key again */      \
                 at[j] = ((run >= 0 ? run + (kp - p0) * kvh : (table[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
+                for (int c = 0; c < (D) / 16; c++) {                                               \
+                    kt[j][c] = load16(call->k_cache, cb, at[j] + 16 * c);                          \
+                    vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                          \
+                }                                                                                  \
             }                                                                                      \
-            ROW_TILE(D, REP, 0);                                                                   \
+            for (int64_t i = own < 0 ? 0 : own; i < (own < 0 ? rows : own + 1); i++) {             \
+                v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);         \
+                float *mi = m + i * (REP), *li = l + i * (REP);                                    \
+                ROW_TILE(D, REP, 1);                                                               \
+            }                                                                                      \
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
