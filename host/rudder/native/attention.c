@@ -135,6 +135,27 @@ static inline v16f reduce16(const v16f p[16]) {
             store16(call->out, s->x_bf16, (t) * h * (D) + (g * (REP) + r) * (D) + 16 * c,            \
                     acc[((i) * (REP) + r) * ((D) / 16) + c] * (1.0f / l[(i) * (REP) + r]));
 
+/* at[]: the cache offsets of the tile of keys from p0 of `table`'s sequence, for KV head g; past
+ * its first `count` keys, the last key again. A tile lies in one block when blocks hold whole
+ * tiles: one lookup per tile. */
+#define TILE_AT(D, table, p0, count)                                                               \
+    int64_t at[TILE];                                                                              \
+    {                                                                                              \
+        int64_t run_ = bs % TILE == 0 ? ((table)[(p0) / bs] * bs + (p0) % bs) * kvh : -1;          \
+        for (int j = 0; j < TILE; j++) {                                                           \
+            int64_t kp = (p0) + (j < (count) ? j : (count) - 1);                                   \
+            at[j] = ((run_ >= 0 ? run_ + (kp - (p0)) * kvh : ((table)[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
+        }                                                                                          \
+    }
+
+/* The tile at at[] into kt/vt, widened to fp32 once for every row that uses it. */
+#define LOAD_TILE(D)                                                                               \
+    for (int j = 0; j < TILE; j++)                                                                 \
+        for (int c = 0; c < (D) / 16; c++) {                                                       \
+            kt[j][c] = load16(call->k_cache, cb, at[j] + 16 * c);                                  \
+            vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                                  \
+        }
+
 /* One row's update by one tile of keys: its scores, the online softmax, the weighted values.
  * In scope: n (keys of the tile this row attends; the rest masked), qi/ai/mi/li (its queries,
  * sums, running max and total), the tile as kt/vt (SH) or as the cache offsets at[] (not SH). Every
@@ -212,17 +233,9 @@ static inline v16f reduce16(const v16f p[16]) {
         START_ROW(D, REP, i, t0 + i, pos0 + i);                                                    \
     for (int64_t p0 = 0; p0 < ctx_all; p0 += TILE) {                                               \
         int n_all = ctx_all - p0 < TILE ? (int)(ctx_all - p0) : TILE;                              \
-        int64_t run = bs % TILE == 0 ? (table[p0 / bs] * bs + p0 % bs) * kvh : -1;                 \
-        int64_t at[TILE];                                                                          \
-        for (int j = 0; j < TILE; j++) {                                                           \
-            int64_t kp = p0 + (j < n_all ? j : n_all - 1); /* past the end: the last key again */  \
-            /* a tile lies in one block when blocks hold whole tiles: one lookup per tile */        \
-            at[j] = ((run >= 0 ? run + (kp - p0) * kvh : (table[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
-            for (int c = 0; SHARED && c < (D) / 16; c++) {                                         \
-                kt[j][c] = load16(call->k_cache, cb, at[j] + 16 * c);                              \
-                vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                              \
-            }                                                                                      \
-        }                                                                                          \
+        TILE_AT(D, table, p0, n_all);                                                              \
+        if (SHARED)                                                                                \
+            LOAD_TILE(D);                                                                          \
         /* rows whose context ends before this tile are done: the first row to attend is the   \
            first whose context reaches p0 (row i's context is pos0 + i + 1) */                     \
         for (int64_t i = (SHARED) && p0 > pos0 ? p0 - pos0 : 0; i < rows; i++) {                   \
@@ -267,16 +280,8 @@ static inline v16f reduce16(const v16f p[16]) {
         int64_t from = own < 0 ? 0 : shared, to = own < 0 ? shared : s->positions[lead] + 1;       \
         for (int64_t p0 = from; p0 < to; p0 += TILE) {                                             \
             int n = to - p0 < TILE ? (int)(to - p0) : TILE;                                        \
-            int64_t run = bs % TILE == 0 ? (table[p0 / bs] * bs + p0 % bs) * kvh : -1;             \
-            int64_t at[TILE];                                                                      \
-            for (int j = 0; j < TILE; j++) {                                                       \
-                int64_t kp = p0 + (j < n ? j : n - 1); /* past the end: the last key again */      \
-                at[j] = ((run >= 0 ? run + (kp - p0) * kvh : (table[kp / bs] * bs + kp % bs) * kvh) + g) * (D); \
-                for (int c = 0; c < (D) / 16; c++) {                                               \
-                    kt[j][c] = load16(call->k_cache, cb, at[j] + 16 * c);                          \
-                    vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                          \
-                }                                                                                  \
-            }                                                                                      \
+            TILE_AT(D, table, p0, n);                                                              \
+            LOAD_TILE(D);                                                                          \
             for (int64_t i = own < 0 ? 0 : own; i < (own < 0 ? rows : own + 1); i++) {             \
                 v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);         \
                 float *mi = m + i * (REP), *li = l + i * (REP);                                    \
