@@ -419,7 +419,7 @@ def test_a_slow_first_call_holds_up_the_steps_once(monkeypatch):
     engine = llm.engine
     first = engine.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0))
     engine.step()  # the first request runs; the second waits for its slot
-    second = engine.add_request([8, 9], SamplingParams(max_tokens=2), _FirstAnswer([Branch()], delay=0.3))
+    second = engine.add_request([8, 9], SamplingParams(max_tokens=2, ignore_eos=True), _FirstAnswer([Branch()], delay=0.3))
     steps = 0
     while not first.finished:
         engine.step()
