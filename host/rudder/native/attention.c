@@ -12,6 +12,9 @@
  *      use it (a 9-row verification at 600 tokens of context: attention 0.75x the time of one
  *      item per row). A tile's 16 dot products are summed lane-wise and then reduced together
  *      (a transpose tree), so the scores come out as one vector and exp runs 16 lanes wide.
+ *      Decoding tokens of sequences whose block tables begin with the same blocks (a prompt
+ *      from the prefix cache) form a cascade: the tiles of that shared prefix are widened once
+ *      for all of them, then each goes on over its own tiles.
  * Each query's arithmetic depends only on its own sequence's cache and position - never on the
  * batch, the group or how the items are split over threads - so a token decoded alone and the
  * same token verified among drafted ones get the same result (tests/test_native_attention.py). RoPE uses the same operations in the
@@ -349,84 +352,84 @@ static int64_t make_groups(const rudder_attn_step *s, int64_t most, int64_t *fir
 
 /* The cascades: decoding rows (groups of one) of different sequences whose tables begin with the
  * same blocks, for at least MIN_SHARED_TILES whole tiles inside every row's context. Fills the
- * cascade arrays of `call` (tokens: `order`), removes their rows from the groups, and returns how
- * many cascades; each is cut into pieces of at least 2 rows when the items would not give every
- * thread two. `order` has room for every token; first/rows/shared for as many cascades. */
+ * cascade arrays (`order`: their rows' tokens), removes their rows from the groups, and returns
+ * how many cascades; each is cut into pieces of at least 2 rows when the items would not give
+ * every thread two. `order` has room for every token; first/rows/shared for as many cascades. */
 #define MIN_SHARED_TILES 4
-static int64_t cascade_rows_seen; /* rows attended in cascades (rudder_attention_stats) */
+static int64_t cascade_rows_seen; /* rows attended in cascades (rudder_attention_cascade_rows) */
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t make_cascades(const rudder_attn_step *s, int64_t most, int64_t *n_groups, int64_t *group_first,
                              int64_t *group_rows, int64_t *order, int64_t *first, int64_t *rows, int64_t *shared) {
+#define TABLE(grp) (s->tables + s->seq_of[group_first[grp]] * s->width)
+#define CTX(grp) (s->positions[group_first[grp]] + 1)
     int64_t n = 0, ones = 0;
-    for (int64_t i = 0; i < *n_groups; i++) /* the decoding rows, by their first block (insertion sort) */
-        if (group_rows[i] == 1 && s->positions[group_first[i]] + 1 >= MIN_SHARED_TILES * TILE) {
-            int64_t t = group_first[i], key = s->tables[s->seq_of[t] * s->width], j = ones++;
-            for (; j > 0 && s->tables[s->seq_of[order[j - 1]] * s->width] > key; j--)
+    for (int64_t i = 0; i < *n_groups; i++) /* the decoding rows' groups, by first block (insertion sort) */
+        if (group_rows[i] == 1 && CTX(i) >= MIN_SHARED_TILES * TILE) {
+            int64_t j = ones++;
+            for (; j > 0 && TABLE(order[j - 1])[0] > TABLE(i)[0]; j--)
                 order[j] = order[j - 1];
-            order[j] = t;
+            order[j] = i;
         }
-    int64_t kept = 0, at = 0; /* order[0, kept): rows in cascades; order[at, ones): still to look at */
+    int64_t kept = 0, at = 0; /* order[0, kept): groups in cascades; order[at, ones): still to look at */
     while (at < ones) {
-        const int64_t *lead = s->tables + s->seq_of[order[at]] * s->width;
-        int64_t end = at + 1, blocks = s->width, ctx = s->positions[order[at]] + 1;
+        const int64_t *lead = TABLE(order[at]);
+        int64_t end = at + 1, blocks = s->width, ctx = CTX(order[at]);
         while (end < ones && end - at < most) { /* the run with this first block, sharing enough */
-            const int64_t *other = s->tables + s->seq_of[order[end]] * s->width;
-            int64_t same = 0, c = s->positions[order[end]] + 1;
+            const int64_t *other = TABLE(order[end]);
+            int64_t same = 0, c = min64(ctx, CTX(order[end]));
             while (same < blocks && other[same] == lead[same])
                 same++;
-            int64_t reach = (same * s->block_size < (c < ctx ? c : ctx) ? same * s->block_size : (c < ctx ? c : ctx));
-            if (reach / TILE < MIN_SHARED_TILES)
+            if (min64(same * s->block_size, c) / TILE < MIN_SHARED_TILES)
                 break;
             blocks = same;
-            ctx = c < ctx ? c : ctx;
+            ctx = c;
             end++;
         }
         if (end - at >= 2) {
-            int64_t reach = blocks * s->block_size < ctx ? blocks * s->block_size : ctx;
             for (int64_t j = at; j < end; j++)
                 order[kept + j - at] = order[j];
             first[n] = kept;
             rows[n] = end - at;
-            shared[n++] = reach / TILE * TILE;
+            shared[n++] = min64(blocks * s->block_size, ctx) / TILE * TILE;
             kept += end - at;
         }
         at = end;
     }
+#undef TABLE
+#undef CTX
     if (n == 0)
         return 0;
     __atomic_add_fetch(&cascade_rows_seen, kept, __ATOMIC_RELAXED);
-    /* the groups less the rows now in cascades (a row is in at most one group) */
+    /* their groups become tokens in `order` and leave the groups */
+    for (int64_t j = 0; j < kept; j++) {
+        group_rows[order[j]] = 0;
+        order[j] = group_first[order[j]];
+    }
     int64_t g = 0;
-    for (int64_t i = 0; i < *n_groups; i++) {
-        int in = 0;
-        for (int64_t j = 0; group_rows[i] == 1 && j < kept && !in; j++)
-            in = order[j] == group_first[i];
-        if (!in) {
+    for (int64_t i = 0; i < *n_groups; i++)
+        if (group_rows[i] > 0) {
             group_first[g] = group_first[i];
             group_rows[g++] = group_rows[i];
         }
-    }
     *n_groups = g;
     /* pieces, so that the threads have two items each where the rows allow it */
     int64_t kvh = s->kv_heads, pieces = (2 * s->threads + (n + g) * kvh - 1) / ((n + g) * kvh);
-    if (pieces > 1) {
-        int64_t m = n;
-        for (int64_t c = m - 1; c >= 0; c--) { /* from the last, so that the pieces stay in order */
-            int64_t k = pieces < rows[c] / 2 ? pieces : rows[c] / 2;
-            if (k < 2)
-                continue;
-            for (int64_t e = n - 1; e > c; e--) { /* make room for k - 1 more after c */
-                first[e + k - 1] = first[e];
-                rows[e + k - 1] = rows[e];
-                shared[e + k - 1] = shared[e];
-            }
-            int64_t f = first[c], r = rows[c], sh = shared[c];
-            for (int64_t q = 0; q < k; q++) {
-                first[c + q] = f + r * q / k;
-                rows[c + q] = r * (q + 1) / k - r * q / k;
-                shared[c + q] = sh;
-            }
-            n += k - 1;
+    for (int64_t c = pieces > 1 ? n - 1 : -1; c >= 0; c--) { /* from the last: split ones stay after c */
+        int64_t k = min64(pieces, rows[c] / 2);
+        if (k < 2)
+            continue;
+        for (int64_t e = n - 1; e > c; e--) { /* room for k - 1 more after c */
+            first[e + k - 1] = first[e];
+            rows[e + k - 1] = rows[e];
+            shared[e + k - 1] = shared[e];
         }
+        int64_t f = first[c], r = rows[c], sh = shared[c];
+        for (int64_t q = 0; q < k; q++) {
+            first[c + q] = f + r * q / k;
+            rows[c + q] = r * (q + 1) / k - r * q / k;
+            shared[c + q] = sh;
+        }
+        n += k - 1;
     }
     return n;
 }
