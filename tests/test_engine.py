@@ -194,8 +194,9 @@ def test_controller_masks_and_runs_during_the_forward_pass(dtype, monkeypatch):
     [out] = llm.generate(["hi"], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
                          controllers=[XYZ()])
     assert set(out.text) <= set("xyz") and len(out.token_ids) == 12
-    # (the first call starts when the request is added: its answer may join the prompt's prefill)
-    assert overlapped == [True] * 12 and held == ([False] + [True] * 11 if native else [])
+    # (the first call starts when the request is added: it may have run before the prompt's
+    # prefill, or not yet on a busy machine)
+    assert overlapped == [True] * 12 and (held[1:] == [True] * 11 if native else held == [])
 
 
 @pytest.mark.skipif("not __import__('rudder').kernels.available()", reason="no native kernels")

@@ -57,11 +57,13 @@ class Case:
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,dtype", [(9, 3, 64, torch.bfloat16), (9, 3, 64, torch.float32),
-                                                    (4, 2, 16, torch.float32), (6, 2, 48, torch.bfloat16)])
+                                                    (4, 2, 16, torch.float32), (6, 2, 48, torch.bfloat16),
+                                                    (12, 1, 16, torch.float32), (20, 2, 32, torch.bfloat16)])
 def test_rows_of_a_group_equal_rows_decoded_one_at_a_time(heads, kv_heads, d, dtype):
     """Rows at positions that start and end inside key tiles, groups longer than one call's most
     (40 rows), two sequences interleaved and back to back; every output row and every K/V slot
-    written equals the one-token calls' bit for bit."""
+    written equals the one-token calls' bit for bit. The generic code (48, 16 and 32 with more
+    than 8 heads per KV head) keeps 16 rows x up to 16 heads of running state per item."""
     case = Case(heads, kv_heads, d, dtype, contexts=[7, 37])
     rows = [(0, 7 + i) for i in range(9)] + [(1, 37 + i) for i in range(40)] + [(0, 16), (1, 77)]
     qkv = case.qkv(len(rows))

@@ -1,9 +1,16 @@
 """How the native library is built (rudder/native/__init__.py): the sources compiled one per
 process and linked against the system's C library, with zig's own full link as the fallback;
-both forms of the library (extension module, plain) link the same objects."""
+both forms of the library (extension module, plain) link the same objects. A process that loaded
+it prints a native backtrace on a fatal signal when RUDDER_CRASH_REPORT is set."""
 
 from __future__ import annotations
 
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +64,23 @@ def test_a_failed_fast_link_falls_back_to_zigs_own(calls):
     assert out.read_bytes() == b"built"
     fast, full = calls[-2], calls[-1]
     assert "-nostdlib" in fast and "-nostdlib" not in full and full[0] == "-shared" and full[-1] == "-lpthread"
+
+
+@pytest.mark.skipif("not sys.platform.startswith('linux') or native.library() is None", reason="Linux, native library")
+@pytest.mark.parametrize("how", ["fault", "sent"])
+def test_a_fatal_signal_prints_the_native_backtrace_then_the_python_one(how):
+    """RUDDER_CRASH_REPORT=1 (the tests set it): a segfault in C code prints the crashing
+    thread's C frames, then faulthandler's Python traceback, and the process still dies of the
+    signal; so does a SIGSEGV sent by another process."""
+    crash = ("import ctypes; ctypes.string_at(0)" if how == "fault"
+             else "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    code = f"from rudder import native; assert native.library() is not None\ndef crash():\n    {crash}\ncrash()"
+    no_core = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731 (no core file in the tree)
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "RUDDER_CRASH_REPORT": "1"}, timeout=60, preexec_fn=no_core)
+    assert done.returncode == -signal.SIGSEGV, done.stderr
+    native_at = done.stderr.index("native backtrace of the crashing thread")
+    assert done.stderr.index("Fatal Python error: Segmentation fault") > native_at
+    frames = done.stderr[native_at:].splitlines()[1:4]
+    assert all(re.search(r"\[0x[0-9a-f]+\]$", f) for f in frames), done.stderr  # library(+offset) [address]
+    assert 'line 3 in crash' in done.stderr

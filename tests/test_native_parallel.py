@@ -3,8 +3,10 @@ late (their core taken by another process) again and again make the next jobs ru
 thread alone, so a busy machine never makes every kernel call wait out a helper's time slice."""
 
 import itertools
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -374,3 +376,17 @@ def test_leave_cores_caps_the_decoder_without_teaching_the_choice(monkeypatch):
     seen, stack = _decoder_threads(monkeypatch, {}, True)  # controllers busy on a whole core
     assert seen == {1}
     assert all(st[1] is None for st in stack.threads.state.values())  # capped calls teach nothing
+
+
+def test_a_late_helper_never_takes_an_item_of_the_next_job(tmp_path):
+    """A helper late for a job (every item already taken) that reads the claim word just before
+    the caller publishes the next, larger job must not claim an item of that job: it would run
+    twice, and the caller could return while it still ran (and its memory went: a segfault in the
+    suite once). The caller's stall in that window is made long (RUDDER_TEST_PUBLISH_DELAY) so
+    that the race comes every few rounds instead of once in hours."""
+    exe = native._zig(["-DRUDDER_TEST_PUBLISH_DELAY=20000", "-I", str(Path(native.__file__).parent),
+                       str(Path(native.__file__).with_name("parallel.c")),
+                       str(Path(__file__).with_name("native") / "parallel_race.c"), "-lpthread"], tmp_path / "race")
+    done = subprocess.run([str(exe), "3000"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "runs twice: 0, not done at return: 0"

@@ -7,6 +7,7 @@ replicas sharing uploads, tags and keys; two replicas racing for tags; SIGKILL d
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import re
@@ -392,13 +393,13 @@ def test_sigkill_during_uploads_loses_nothing_on_postgres(pg_cluster):
 @SERVERS
 def test_postgres_restart_under_load(pg_cluster):
     """PostgreSQL stops while a request streams and uploads go on: registry calls answer 503
-    (registry_unavailable) and plain requests 200, the stream finishes whole; once it is back
-    the registry answers again, and every acknowledged upload is in it."""
+    (registry_unavailable) and plain requests 200, the stream goes on stepping through it; once
+    it is back the registry answers again, and every acknowledged upload is in it."""
     url = pg_cluster.new_database()
     acked, unexpected, stop = {}, [], threading.Event()
     with ServeProcess("--state-url", url, "--max-modules", "100000", model="tiny:1", forked=True) as server, \
             httpx.Client(base_url=server.url, timeout=60) as c:
-        # The running request's controller spins ~3 ms a step (its argument): it runs for seconds.
+        # The running request's controller spins for as long as its argument says, every step.
         mid = c.post("/v1/controllers", content=bytes(wasm_of(busy_wat()))).json()["module_id"]
         assert c.post("/v1/controllers/tags", json={"tag": "steady", "module_id": mid}).status_code == 200
 
@@ -418,11 +419,24 @@ def test_postgres_restart_under_load(pg_cluster):
         loader = threading.Thread(target=uploads)
         loader.start()
         eventually(lambda: len(acked) >= 2, what="uploads")
-        sent, first_503 = time.time(), None
-        with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x60\0",
-                                                "prompt": "x", "max_tokens": 1000, "ignore_eos": True}) as stream:
+        first_503 = None
+        # The stream has no end of its own (how long the outage takes to show varies with the
+        # machine's load): it is read as it comes until the registry is back, then closed.
+        # (~11 ms of spinning a step: the 1024 tokens would take ~12 s)
+        with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x70\x01",
+                                                "prompt": "x", "max_tokens": 1024, "ignore_eos": True}) as stream:
             events = sse_events(stream)
+            assert stream.status_code == 200, stream.read()
             assert next(events)["type"] == "step"
+            arrived: list[tuple[float, object]] = []
+
+            def read():
+                with contextlib.suppress(httpx.HTTPError):
+                    for event in events:
+                        arrived.append((time.time(), event))
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
             pg_cluster.stop("fast")
             try:
                 for call in (lambda: c.get("/v1/controllers/tags"), lambda: c.post("/v1/controllers", content=module(401)),
@@ -437,12 +451,12 @@ def test_postgres_restart_under_load(pg_cluster):
                 assert c.post("/v1/run", json={**RUN, "controller": "force", "controller_arg": "hi"}).status_code == 200
             finally:
                 pg_cluster.start()
-            done = [e for e in events if e != "[DONE]" and e["type"] == "done"]
-        assert done[0]["choices"][0]["finish_reason"] == "length" and done[0]["usage"]["completion_tokens"] == 1000
-        assert "error" not in done[0]
-        # It was still running when the registry answered 503s: it ran through the outage.
-        assert sent + done[0]["timings"]["total_ms"] / 1000 > first_503, (done[0]["timings"], first_503 - sent)
-        eventually(lambda: c.get("/v1/controllers/tags").status_code == 200, what="the registry coming back")
+            eventually(lambda: c.get("/v1/controllers/tags").status_code == 200, what="the registry coming back")
+            back = time.time()
+            eventually(lambda: arrived and arrived[-1][0] > back, what="the stream's steps after the outage")
+        # It ran through the outage: steps all along, nothing but steps.
+        assert all(isinstance(e, dict) and e["type"] == "step" for _, e in arrived), [e for _, e in arrived][-3:]
+        assert any(first_503 < t < back for t, _ in arrived)
         time.sleep(0.3)
         stop.set()
         loader.join()

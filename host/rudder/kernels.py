@@ -241,7 +241,7 @@ class DecoderStack:
     def _ptr(self, t: torch.Tensor | None) -> int:
         if t is None:
             return 0
-        t = t.contiguous()
+        t = t.detach().contiguous()  # (its own tensor on the storage: kept if a Parameter's .data is replaced)
         self.keep.append(t)
         return t.data_ptr()
 

@@ -216,7 +216,8 @@ def native_stack(model: nn.Module) -> kernels.DecoderStack | None:
     layers must not be swapped after its first forward pass."""
     if getattr(model, "native_stack_of", None) is model.layers:
         return model.native_stack
-    model.native_stack, model.native_stack_of = None, model.layers
+    model.native_stack = None
+    model.__dict__["native_stack_of"] = model.layers  # (a plain attribute, not a second registered submodule)
     eps, specs = None, []
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp

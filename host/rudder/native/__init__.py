@@ -12,6 +12,9 @@ caller never waits for unless they took work (parallel.c), or None.
 The library is built as a Python extension module where Python's headers are at hand (cffi's
 API mode: a cheaper call), else as a plain shared library opened with cffi's ABI mode (through
 libffi); RUDDER_NATIVE_ABI=1 picks the latter. `binding` says which.
+
+RUDDER_CRASH_REPORT=1: a fatal signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE) in a process that loaded
+the library first prints the crashing thread's native backtrace to stderr (crash.c).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from pathlib import Path
 import cffi
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("mask.c", "ticker.c", "deadline.c", "parallel.c", "attention.c", "linear.c", "norm.c", "decoder.c")]
+           for name in ("mask.c", "ticker.c", "deadline.c", "parallel.c", "attention.c", "linear.c", "norm.c", "decoder.c",
+                        "crash.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]
 _CDEF = """
 void rudder_apply_mask(float *logits, const uint32_t *words, size_t n_tokens);
+int rudder_crash_report_install(void);
 typedef struct rudder_ticker rudder_ticker;
 rudder_ticker *rudder_ticker_start(void *engine, void *increment, long period_ns);
 void rudder_ticker_stop(rudder_ticker *t);
@@ -213,19 +218,22 @@ def library():
         unavailable_reason = "disabled by RUDDER_NO_NATIVE"
         return None
     abi_reason = "RUDDER_NATIVE_ABI is set"
+    lib = None
     if not os.environ.get("RUDDER_NATIVE_ABI"):
         try:
             module = _load_module(_build_module())
-            ffi, binding, abi_reason = module.ffi, "api", None
-            return module.lib
+            lib, ffi, binding, abi_reason = module.lib, module.ffi, "api", None
         except Exception as e:  # noqa: BLE001 - no headers, an odd platform: the ABI-mode library instead
             abi_reason = f"extension module unavailable: {e}"
-    try:
-        lib, binding = ffi.dlopen(str(_build())), "abi"
-        return lib
-    except Exception as e:  # any failure: the pure-Python paths still work
-        unavailable_reason = f"native library unavailable: {e}"
-        return None
+    if lib is None:
+        try:
+            lib, binding = ffi.dlopen(str(_build())), "abi"
+        except Exception as e:  # any failure: the pure-Python paths still work
+            unavailable_reason = f"native library unavailable: {e}"
+            return None
+    if os.environ.get("RUDDER_CRASH_REPORT"):  # (native/crash.c; the tests set it)
+        lib.rudder_crash_report_install()
+    return lib
 
 
 @functools.cache

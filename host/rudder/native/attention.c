@@ -47,6 +47,7 @@ typedef struct {
 #define MAX_REP 16
 #define MAX_GROUP 16 /* rows per group; fewer where a group's queries would pass STATE_VECS */
 #define STATE_VECS 512 /* 16-float vectors of queries (and as many of accumulators) per item */
+#define STATE_ROWS (MAX_GROUP * MAX_REP) /* query rows (a running max and total each) per item */
 
 /* x (rotate-half RoPE at one position) into dst, fp32: dst[i] = x[i]*c[i] + rot[i]*s[i]. */
 static void rope(float *dst, const void *x, int bf16, int64_t at, const float *c, const float *s, int64_t d) {
@@ -231,7 +232,7 @@ static inline v16f reduce16(const v16f p[16]) {
     /* (sized for one row when not SHARED: its state then lives in registers) */                \
     v16f q[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)], acc[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)]; \
     v16f kt[(SHARED) ? TILE : 1][(D) / 16], vt[(SHARED) ? TILE : 1][(D) / 16];                     \
-    float m[(SHARED) ? STATE_VECS / 4 : (REP)], l[(SHARED) ? STATE_VECS / 4 : (REP)];              \
+    float m[(SHARED) ? STATE_ROWS : (REP)], l[(SHARED) ? STATE_ROWS : (REP)];                      \
     for (int64_t i = 0; i < rows; i++)                                                             \
         START_ROW(D, REP, i, t0 + i, pos0 + i);                                                    \
     for (int64_t p0 = 0; p0 < ctx_all; p0 += TILE) {                                               \
@@ -272,7 +273,7 @@ static inline v16f reduce16(const v16f p[16]) {
     int64_t bs = s->block_size;                                                                    \
     int cb = s->cache_bf16;                                                                        \
     v16f q[STATE_VECS], acc[STATE_VECS], kt[TILE][(D) / 16], vt[TILE][(D) / 16];                   \
-    float m[STATE_VECS / 4], l[STATE_VECS / 4];                                                    \
+    float m[STATE_ROWS], l[STATE_ROWS];                                                            \
     for (int64_t i = 0; i < rows; i++)                                                             \
         START_ROW(D, REP, i, tok[i], s->positions[tok[i]]);                                        \
     /* the shared tiles (whole, inside every row's context, read through the first row's table)   \

@@ -9,8 +9,9 @@
  * Here the caller publishes a job and claims work items itself, one at a time, like each
  * helper. When none is left it waits only for the items a helper has already claimed: a helper
  * that did not show up claims nothing and costs nothing. Items are claimed with a compare-and-swap
- * on (job generation << 32 | next item), so a helper that wakes late cannot take an item of a
- * newer job with an older job's function. Helpers spin briefly between jobs (the kernels of a
+ * on (job generation << 32 | next item), and a new job closes that word (an item past any end)
+ * before it writes its fields: a helper that wakes late for one job can never take an item of
+ * the next. Helpers spin briefly between jobs (the kernels of a
  * step come microseconds apart), then sleep on a futex.
  *
  * What a helper can still cost: it claims an item and is then preempted by another process, and
@@ -79,7 +80,7 @@ static inline void relax(void) { __builtin_ia32_pause(); }
 static void claim_and_run(uint32_t gen) {
     for (;;) {
         uint64_t c = __atomic_load_n(&job.claim, __ATOMIC_ACQUIRE);
-        if ((uint32_t)(c >> 32) != gen || (int64_t)(uint32_t)c >= job.n)
+        if ((uint32_t)(c >> 32) != gen || (int64_t)(uint32_t)c >= __atomic_load_n(&job.n, __ATOMIC_ACQUIRE))
             return;
         if (!__atomic_compare_exchange_n(&job.claim, &c, c + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue;
@@ -150,11 +151,21 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
             return;
         }
         uint32_t gen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE) + 1;
+        /* Close the last job's claims first. A helper late for it may have read its claim word
+         * (every item taken) and be about to compare that item with job.n: were job.n already
+         * this job's, and larger, its compare-and-swap on the unchanged word would succeed and
+         * run an item of this job that another thread runs too, and count it after `done` was
+         * reset, so the caller could return while an item still uses its memory (a crash). */
+        __atomic_store_n(&job.claim, (uint64_t)gen << 32 | UINT32_MAX, __ATOMIC_SEQ_CST);
         job.fn = fn;
         job.ctx = ctx;
-        job.n = n;
+        __atomic_store_n(&job.n, n, __ATOMIC_RELEASE);
         __atomic_store_n(&job.done, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&job.helpers, helpers, __ATOMIC_RELEASE);
+#ifdef RUDDER_TEST_PUBLISH_DELAY /* tests/test_native_parallel.py: the caller preempted right here */
+        for (volatile int spin = 0; spin < RUDDER_TEST_PUBLISH_DELAY; spin++)
+            ;
+#endif
         __atomic_store_n(&job.claim, (uint64_t)gen << 32, __ATOMIC_RELEASE);
         __atomic_store_n(&generation, gen, __ATOMIC_RELEASE);
         /* A futex wakes any of its sleepers: when more helpers exist than this job takes, wake
