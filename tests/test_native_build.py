@@ -66,21 +66,42 @@ def test_a_failed_fast_link_falls_back_to_zigs_own(calls):
     assert "-nostdlib" in fast and "-nostdlib" not in full and full[0] == "-shared" and full[-1] == "-lpthread"
 
 
+TRAP = """
+import wasmtime
+engine = wasmtime.Engine()
+store = wasmtime.Store(engine)
+module = wasmtime.Module(engine, '(module (memory 1) (func (export "f") (result i32) (i32.load (i32.const 0x7fffff00))))')
+f = wasmtime.Instance(store, module, []).exports(store)["f"]
+for _ in range(3):  # out of bounds: a SIGSEGV that wasmtime's handler turns into a trap
+    try:
+        f(store)
+    except wasmtime.Trap:
+        print("trapped", flush=True)
+"""
+
+
 @pytest.mark.skipif("not sys.platform.startswith('linux') or native.library() is None", reason="Linux, native library")
-@pytest.mark.parametrize("how", ["fault", "sent"])
+@pytest.mark.parametrize("how", ["fault", "sent", "wasmtime first"])
 def test_a_fatal_signal_prints_the_native_backtrace_then_the_python_one(how):
     """RUDDER_CRASH_REPORT=1 (the tests set it): a segfault in C code prints the crashing
     thread's C frames, then faulthandler's Python traceback, and the process still dies of the
-    signal; so does a SIGSEGV sent by another process."""
-    crash = ("import ctypes; ctypes.string_at(0)" if how == "fault"
+    signal; so does a SIGSEGV sent by another process. Guest traps (wasmtime's own SIGSEGVs) are
+    not crashes, whichever handler came first; where wasmtime's did, there is no report."""
+    crash = ("import ctypes; ctypes.string_at(0)" if how != "sent"
              else "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    code = f"from rudder import native; assert native.library() is not None\ndef crash():\n    {crash}\ncrash()"
+    load = "from rudder import native; assert native.library() is not None\n"
+    code = (TRAP + load if how == "wasmtime first" else load + TRAP) + f"def crash():\n    {crash}\ncrash()"
     no_core = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731 (no core file in the tree)
     done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
                           env={**os.environ, "RUDDER_CRASH_REPORT": "1"}, timeout=60, preexec_fn=no_core)
     assert done.returncode == -signal.SIGSEGV, done.stderr
+    assert done.stdout.split() == ["trapped"] * 3
+    assert "Fatal Python error: Segmentation fault" in done.stderr and "in crash" in done.stderr
+    if how == "wasmtime first":
+        assert "native backtrace" not in done.stderr
+        return
+    assert done.stderr.count("native backtrace") == 1, done.stderr  # the crash's; no trap's
     native_at = done.stderr.index("native backtrace of the crashing thread")
     assert done.stderr.index("Fatal Python error: Segmentation fault") > native_at
     frames = done.stderr[native_at:].splitlines()[1:4]
     assert all(re.search(r"\[0x[0-9a-f]+\]$", f) for f in frames), done.stderr  # library(+offset) [address]
-    assert 'line 3 in crash' in done.stderr

@@ -56,6 +56,9 @@ class Engine:
     cannot be had, `self.pooling` is False."""
 
     def __init__(self, settings: dict, tick_ms: float, pooling: dict | None = None):
+        from .. import native
+
+        native.library()  # first: its crash report must sit below wasmtime's signal handlers (native/crash.c)
         self.wasm, self.pooling = _make_engine(settings, pooling)
         self.keep_resident = pooling["keep_resident"] if self.pooling else 0
         self.ptr = ffi.cast("wasm_engine_t *", addr(self.wasm.ptr()))

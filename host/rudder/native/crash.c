@@ -7,8 +7,15 @@
  * faulting instruction into that handler; a signal sent by another process is raised again.
  * backtrace() is called once at install, so that its lazy loading (which allocates) is done
  * before any signal.
+ *
+ * wasmtime turns a guest's out-of-bounds access into a trap from its own SIGSEGV handler, and
+ * hands faults outside guest code to the handler that was there before it. So this handler must
+ * come first (engines.py loads the library before the first engine); where wasmtime's is already
+ * installed, it is not installed at all: it would take every guest's trap for a crash.
  */
 #if defined(__linux__)
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <execinfo.h>
 #include <pthread.h>
 #include <signal.h>
@@ -53,11 +60,25 @@ static void report(int sig, siginfo_t *info, void *context) {
         raise(sig);
 }
 
-/* Installs the handler for SIGSEGV, SIGBUS, SIGILL and SIGFPE (once); 0 on success. */
+/* Whether the handler `sa` is code of a library named like wasmtime. */
+static int wasmtime_handler(const struct sigaction *sa) {
+    void *fn = sa->sa_flags & SA_SIGINFO ? (void *)sa->sa_sigaction : (void *)sa->sa_handler;
+    if (fn == (void *)SIG_DFL || fn == (void *)SIG_IGN)
+        return 0;
+    Dl_info where;
+    return dladdr(fn, &where) && where.dli_fname && strstr(where.dli_fname, "wasmtime");
+}
+
+/* Installs the handler for SIGSEGV, SIGBUS, SIGILL and SIGFPE (once): 0 when installed, 1 when
+ * wasmtime's handlers came first (then it is not), -1 on an error. */
 int rudder_crash_report_install(void) {
     static int installed;
     if (installed)
         return 0;
+    struct sigaction now;
+    for (int i = 0; i < N_FATAL; i++)
+        if (sigaction(fatal[i], NULL, &now) != 0 || wasmtime_handler(&now))
+            return 1;
     void *warm[1];
     backtrace(warm, 1);
     struct sigaction sa;
