@@ -156,7 +156,7 @@ void rudder_parallel_for(rudder_chunk_fn fn, void *ctx, int64_t n, int threads) 
          * this job's, and larger, its compare-and-swap on the unchanged word would succeed and
          * run an item of this job that another thread runs too, and count it after `done` was
          * reset, so the caller could return while an item still uses its memory (a crash). */
-        __atomic_store_n(&job.claim, (uint64_t)gen << 32 | UINT32_MAX, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&job.claim, (uint64_t)gen << 32 | UINT32_MAX, __ATOMIC_RELEASE);
         job.fn = fn;
         job.ctx = ctx;
         __atomic_store_n(&job.n, n, __ATOMIC_RELEASE);
