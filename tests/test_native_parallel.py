@@ -2,8 +2,8 @@
 late (their core taken by another process) again and again make the next jobs run on the caller's
 thread alone, so a busy machine never makes every kernel call wait out a helper's time slice."""
 
+import ctypes
 import itertools
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -382,11 +382,16 @@ def test_a_late_helper_never_takes_an_item_of_the_next_job(tmp_path):
     """A helper late for a job (every item already taken) that reads the claim word just before
     the caller publishes the next, larger job must not claim an item of that job: it would run
     twice, and the caller could return while it still ran (and its memory went: a segfault in the
-    suite once). The caller's stall in that window is made long (RUDDER_TEST_PUBLISH_DELAY) so
-    that the race comes every few rounds instead of once in hours."""
-    exe = native._zig(["-DRUDDER_TEST_PUBLISH_DELAY=20000", "-I", str(Path(native.__file__).parent),
-                       str(Path(native.__file__).with_name("parallel.c")),
-                       str(Path(__file__).with_name("native") / "parallel_race.c"), "-lpthread"], tmp_path / "race")
-    done = subprocess.run([str(exe), "3000"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "runs twice: 0, not done at return: 0"
+    suite once). Both stalls a preemption would cause are made long (each thread between reading
+    the claim word and comparing it, the caller while it publishes a job), so that the race
+    comes in most rounds (before the fix: thousands of items ran twice in 3000 rounds) instead
+    of once in hours."""
+    here = Path(native.__file__).parent
+    lib = native._zig(["-shared", "-nostdlib", "-DRUDDER_TEST_PUBLISH_DELAY=20000", "-DRUDDER_TEST_CLAIM_DELAY=500",
+                       "-I", str(here),
+                       str(here / "parallel.c"), str(Path(__file__).with_name("native") / "parallel_race.c"),
+                       "-lc", "-lpthread"], tmp_path / "race.so")
+    race = ctypes.CDLL(str(lib))
+    out = (ctypes.c_long * 2)()
+    race.parallel_race(ctypes.c_long(3000), out)
+    assert (out[0], out[1]) == (0, 0), f"{out[0]} items ran twice, {out[1]} were not done when their call returned"

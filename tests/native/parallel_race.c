@@ -1,9 +1,10 @@
-/* tests/test_native_parallel.py: native/parallel.c built with RUDDER_TEST_PUBLISH_DELAY (the
- * caller stalls while publishing a job, as when it loses its core there), driven with a small job
- * then a larger one, over and over. Every item must run exactly once, and be done when the call
- * returns. Prints "runs twice: N, not done at return: M". */
+/* tests/test_native_parallel.py: native/parallel.c built with RUDDER_TEST_CLAIM_DELAY and
+ * RUDDER_TEST_PUBLISH_DELAY (a thread stalls between reading the claim word and comparing it,
+ * the caller while it publishes a job: as when each loses its core there), driven with a small
+ * job then a larger one, over and over. Every item must run exactly once, and be done when the call
+ * returns. Built as a shared library (no C runtime of zig's own to build first) and called
+ * through ctypes. */
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 
 typedef void (*rudder_chunk_fn)(void *ctx, int64_t i);
@@ -23,8 +24,10 @@ static void item(void *p, int64_t i) {
     __atomic_fetch_add(&j->runs[i], 1, __ATOMIC_RELAXED);
 }
 
-int main(int argc, char **argv) {
-    long rounds = argc > 1 ? atol(argv[1]) : 4000, twice = 0, not_done = 0;
+/* `rounds` of a 2-item job then a 64-item one: out[0] items run twice, out[1] items not done
+ * when their call returned. */
+void parallel_race(long rounds, long *out) {
+    long twice = 0, not_done = 0;
     for (long r = 0; r < rounds; r++) {
         int small[2] = {0}, large[64] = {0};
         job a = {small, 2}, b = {large, 64};
@@ -39,6 +42,6 @@ int main(int argc, char **argv) {
             not_done += small[i] == 0;
         }
     }
-    printf("runs twice: %ld, not done at return: %ld\n", twice, not_done);
-    return 0;
+    out[0] = twice;
+    out[1] = not_done;
 }

@@ -80,6 +80,10 @@ static inline void relax(void) { __builtin_ia32_pause(); }
 static void claim_and_run(uint32_t gen) {
     for (;;) {
         uint64_t c = __atomic_load_n(&job.claim, __ATOMIC_ACQUIRE);
+#ifdef RUDDER_TEST_CLAIM_DELAY /* tests/test_native_parallel.py: this thread preempted right here */
+        for (volatile int spin = 0; spin < RUDDER_TEST_CLAIM_DELAY; spin++)
+            ;
+#endif
         if ((uint32_t)(c >> 32) != gen || (int64_t)(uint32_t)c >= __atomic_load_n(&job.n, __ATOMIC_ACQUIRE))
             return;
         if (!__atomic_compare_exchange_n(&job.claim, &c, c + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
