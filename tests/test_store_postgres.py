@@ -462,4 +462,6 @@ def test_postgres_restart_under_load(pg_cluster):
         loader.join()
         listed = {m["module_id"] for m in c.get("/v1/controllers").json()["data"]}
         assert set(acked) <= listed and len(acked) >= 3 and not unexpected
-        assert "registry database" in server.output() and "is back after" in server.output()
+        # (the listener logs it once it has taken the new connection, maybe after the first 200s)
+        eventually(lambda: "is back after" in server.output(), what="the log's line on the registry's return")
+        assert "registry database" in server.output()
