@@ -35,6 +35,10 @@ def helpers_started():
     model's kernels on a busy host) may have left it running jobs inline after a late helper."""
     run_job(_nothing, 2)  # the pool's threads start with their first job (and may miss that one)
     time.sleep(0.01)
+    _offering_jobs_to_helpers()
+
+
+def _offering_jobs_to_helpers() -> None:
     deadline = time.monotonic() + 10  # (the longest backoff is 4 s)
     while time.monotonic() < deadline:
         before = kernels.parallel_stats()
@@ -82,13 +86,19 @@ def _record_jobs(count: int) -> set:
 def test_a_lone_late_helper_leaves_the_next_jobs_to_the_helpers():
     """Even a quiet host preempts a helper now and then: one late helper costs its wait, not the
     second core for the jobs after it."""
-    before = kernels.parallel_stats()
-    assert _late_job(0.005), "no helper took part"
-    after = kernels.parallel_stats()
-    assert after["late"] == before["late"] + 1
-    time.sleep(0.05)  # past the window in which a second late helper would count
-    _record_jobs(5)
-    assert kernels.parallel_stats()["inline"] == after["inline"]
+    for _ in range(5):  # (on a loaded host a helper may come late again on its own: try again)
+        before = kernels.parallel_stats()
+        assert _late_job(0.005), "no helper took part"
+        after = kernels.parallel_stats()
+        assert after["late"] == before["late"] + 1
+        time.sleep(0.05)  # past the window in which a second late helper would count
+        _record_jobs(5)
+        now = kernels.parallel_stats()
+        if now["late"] == after["late"]:  # no other late helper: the lone one changed nothing
+            assert now["inline"] == after["inline"]
+            return
+        _offering_jobs_to_helpers()
+    pytest.fail("helpers came late on their own in every try")
 
 
 def test_late_helpers_send_the_next_jobs_inline_for_a_while():
@@ -105,8 +115,12 @@ def test_late_helpers_send_the_next_jobs_inline_for_a_while():
     after = kernels.parallel_stats()
     assert after["late"] >= before["late"] + 2 and after["inline"] > before["inline"]
     assert threads == {main}  # on the caller: the helpers sat out
-    time.sleep(0.05)  # past the backoff
-    assert len(_record_jobs(5)) > 1 and kernels.parallel_stats()["inline"] == after["inline"]
+    # Then the helpers are tried again: after 2 ms, or longer where they stay late (a loaded
+    # host; each late try doubles the wait, up to 4 s).
+    deadline = time.monotonic() + 10
+    while len(_record_jobs(1)) == 1:
+        assert time.monotonic() < deadline, "the helpers were never tried again"
+        time.sleep(0.005)
 
 
 def test_a_job_that_takes_fewer_helpers_than_exist_still_gets_one():
