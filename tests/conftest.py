@@ -32,10 +32,10 @@ os.environ.setdefault("RUDDER_HOME", str(REPO_ROOT / ".cache" / "rudder"))
 # sets PYTHONDONTWRITEBYTECODE: each test process would otherwise compile them all again (it
 # halves the test collection's time).
 sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # A crash in native code (these processes and the servers and stages they start) prints the C
 # frames of the crashing thread before faulthandler's Python ones (rudder/native/crash.c).
 os.environ.setdefault("RUDDER_CRASH_REPORT", "1")
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 #: Where this session's SmolLM2 lives (tests that set a private $RUDDER_HOME fetch elsewhere).
 SESSION_MODEL_DIR = Path(os.environ["RUDDER_HOME"]).expanduser() / "models" / "smollm2-135m-instruct"
 

@@ -62,8 +62,8 @@ class Case:
 def test_rows_of_a_group_equal_rows_decoded_one_at_a_time(heads, kv_heads, d, dtype):
     """Rows at positions that start and end inside key tiles, groups longer than one call's most
     (40 rows), two sequences interleaved and back to back; every output row and every K/V slot
-    written equals the one-token calls' bit for bit. The generic code (48, 16 and 32 with more
-    than 8 heads per KV head) keeps 16 rows x up to 16 heads of running state per item."""
+    written equals the one-token calls' bit for bit. The generic code (head_dim 48 or 32, or 16
+    with more than 4 heads per KV head) keeps 16 rows x up to 16 heads of running state per item."""
     case = Case(heads, kv_heads, d, dtype, contexts=[7, 37])
     rows = [(0, 7 + i) for i in range(9)] + [(1, 37 + i) for i in range(40)] + [(0, 16), (1, 77)]
     qkv = case.qkv(len(rows))

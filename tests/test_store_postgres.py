@@ -425,13 +425,13 @@ def test_postgres_restart_under_load(pg_cluster):
         # (~11 ms of spinning a step: the 1024 tokens would take ~12 s)
         with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x70\x01",
                                                 "prompt": "x", "max_tokens": 1024, "ignore_eos": True}) as stream:
-            events = sse_events(stream)
             assert stream.status_code == 200, stream.read()
+            events = sse_events(stream)
             assert next(events)["type"] == "step"
             arrived: list[tuple[float, object]] = []
 
-            def read():
-                with contextlib.suppress(httpx.HTTPError):
+            def read():  # (until the stream is closed under it)
+                with contextlib.suppress(httpx.HTTPError, httpx.StreamError):
                     for event in events:
                         arrived.append((time.time(), event))
 
@@ -454,6 +454,7 @@ def test_postgres_restart_under_load(pg_cluster):
             eventually(lambda: c.get("/v1/controllers/tags").status_code == 200, what="the registry coming back")
             back = time.time()
             eventually(lambda: arrived and arrived[-1][0] > back, what="the stream's steps after the outage")
+        reader.join(timeout=10)
         # It ran through the outage: steps all along, nothing but steps.
         assert all(isinstance(e, dict) and e["type"] == "step" for _, e in arrived), [e for _, e in arrived][-3:]
         assert any(first_503 < t < back for t, _ in arrived)

@@ -11,8 +11,8 @@
  * that did not show up claims nothing and costs nothing. Items are claimed with a compare-and-swap
  * on (job generation << 32 | next item), and a new job closes that word (an item past any end)
  * before it writes its fields: a helper that wakes late for one job can never take an item of
- * the next. Helpers spin briefly between jobs (the kernels of a
- * step come microseconds apart), then sleep on a futex.
+ * the next. Helpers spin briefly between jobs (the kernels of a step come microseconds apart),
+ * then sleep on a futex.
  *
  * What a helper can still cost: it claims an item and is then preempted by another process, and
  * the caller waits out the rest of its time slice (milliseconds, against microseconds of work).
