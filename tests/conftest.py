@@ -40,6 +40,19 @@ os.environ.setdefault("RUDDER_CRASH_REPORT", "1")
 SESSION_MODEL_DIR = Path(os.environ["RUDDER_HOME"]).expanduser() / "models" / "smollm2-135m-instruct"
 
 
+#: The files that take longest (seconds each, most of them starting processes), in that order.
+#: pytest-xdist's `--dist loadfile` hands out whole files in collection order: these go first, so
+#: that no worker is left running one long file while the other has finished.
+LONGEST_FIRST = ("test_client_libraries.py", "test_pipeline.py", "test_compile_bounds.py", "test_store_postgres.py",
+                 "test_auth_registry.py", "test_hosts.py", "test_hostile.py", "test_budgets.py", "test_one_loop.py",
+                 "test_cli.py", "test_spec_exactness.py", "test_web.py", "test_reference.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
+
+
 def pytest_collection_finish(session):
     """Build what the collected tests share, at once, before the first of them runs."""
     if session.config.option.collectonly or not session.items:

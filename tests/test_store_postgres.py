@@ -11,8 +11,6 @@ import contextlib
 import hashlib
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,11 +20,12 @@ import pytest
 from typer.testing import CliRunner
 
 from pg_util import pg_cluster, pg_url  # noqa: F401 (fixtures)
+from zygote import run_cli
 from rudder.cli import app
 from rudder.server.auth import KeyRing
 from rudder.server.postgres_store import MIGRATIONS, SCHEMA_VERSION, PostgresStore
 from rudder.server.store import LocalStore, StoreUnavailable, TagOwned
-from serve_util import REPO, ServeProcess, sse_events
+from serve_util import ServeProcess, sse_events
 from controller_wat import busy_wat, wasm_of
 from test_auth_registry import _uploads_killed_at_random, module
 
@@ -257,18 +256,19 @@ def _answers(call) -> bool:
         return False
 
 
-def test_an_unreachable_or_wrong_url_is_one_line():
+def test_an_unreachable_or_wrong_url_is_one_line(monkeypatch):
     from pg_util import free_port
 
+    from rudder.server import postgres_store
+
+    monkeypatch.setattr(postgres_store, "CONNECT_TIMEOUT_S", 0.3)  # (the message is the same after 3 s)
     cli = CliRunner()
     for url, words in [(f"postgresql://postgres@127.0.0.1:{free_port()}/x", "database is unavailable"),
                        ("postgresql://h/x?nonsense=1", "not a PostgreSQL URL")]:
         result = cli.invoke(app, ["keys", "list", "--state-url", url])
         assert result.exit_code == 1 and words in result.output and "Traceback" not in result.output, result.output
     # (a process of its own: `serve` sets up logging for the process it runs in)
-    run = subprocess.run([sys.executable, "-m", "rudder.cli", "serve", "--state-dir", "/tmp", "--state-url",
-                          "postgresql://h/x", "--model", "tiny"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO / "host")})
+    run = run_cli(["serve", "--state-dir", "/tmp", "--state-url", "postgresql://h/x", "--model", "tiny"], timeout=120)
     assert run.returncode == 1 and "not both" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
