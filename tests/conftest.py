@@ -41,7 +41,7 @@ os.environ.setdefault("RUDDER_CRASH_REPORT", "1")
 SESSION_MODEL_DIR = Path(os.environ["RUDDER_HOME"]).expanduser() / "models" / "smollm2-135m-instruct"
 
 
-#: The files that take longest (seconds each, most of them starting processes), in that order.
+#: The files that take longest (most of them start processes), longest first.
 #: pytest-xdist's `--dist loadfile` hands out whole files in collection order: these go first, so
 #: that no worker is left running one long file while the other has finished.
 LONGEST_FIRST = ("test_client_libraries.py", "test_pipeline.py", "test_compile_bounds.py", "test_store_postgres.py",
@@ -72,9 +72,9 @@ def pytest_collection_finish(session):
                 done.result()
             except Exception as e:  # noqa: BLE001 - the tests that need it then fail with the reason
                 print(f"conftest: prebuilding failed: {e!r}", file=sys.stderr)
-    # What exists now (torch, the modules, the collected tests: ~800k objects) lives as long as the
-    # process: the garbage collector stops scanning it, at every automatic collection and at each
-    # test's own gc.collect() (a third of a second each otherwise).
+    # What exists now (torch, the modules, the collected tests) lives as long as the process: the
+    # garbage collector stops scanning it, at its automatic full collections and at the tests' own
+    # gc.collect() calls, which would otherwise each walk all of it.
     gc.collect()
     gc.freeze()
 
