@@ -86,19 +86,22 @@ def _record_jobs(count: int) -> set:
 def test_a_lone_late_helper_leaves_the_next_jobs_to_the_helpers():
     """Even a quiet host preempts a helper now and then: one late helper costs its wait, not the
     second core for the jobs after it."""
-    for _ in range(5):  # (on a loaded host a helper may come late again on its own: try again)
+    # On a loaded host a try may not test this: the caller itself descheduled longer than the helper
+    # stalled (its wait is then shorter than its own share, and the helper is not late), or another
+    # helper late on its own afterwards. Such a try is made again.
+    for _ in range(10):
+        time.sleep(0.03)  # past the window of any earlier late helper: this one is alone
         before = kernels.parallel_stats()
         assert _late_job(0.005), "no helper took part"
         after = kernels.parallel_stats()
-        assert after["late"] == before["late"] + 1
-        time.sleep(0.05)  # past the window in which a second late helper would count
-        _record_jobs(5)
-        now = kernels.parallel_stats()
-        if now["late"] == after["late"]:  # no other late helper: the lone one changed nothing
-            assert now["inline"] == after["inline"]
-            return
+        if after["late"] == before["late"] + 1:
+            _record_jobs(5)  # at once: where a backoff would send them inline
+            now = kernels.parallel_stats()
+            if now["late"] == after["late"]:  # no other late helper: the lone one changed nothing
+                assert now["inline"] == after["inline"]
+                return
         _offering_jobs_to_helpers()
-    pytest.fail("helpers came late on their own in every try")
+    pytest.fail("no try had exactly one late helper")
 
 
 def test_late_helpers_send_the_next_jobs_inline_for_a_while():
