@@ -397,8 +397,8 @@ def test_postgres_restart_under_load(pg_cluster):
     it is back the registry answers again, and every acknowledged upload is in it."""
     url = pg_cluster.new_database()
     acked, unexpected, stop = {}, [], threading.Event()
-    with ServeProcess("--state-url", url, "--max-modules", "100000", model="tiny:1", forked=True) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as c:
+    with ServeProcess("--state-url", url, "--max-modules", "100000", "--max-tokens", "2000", model="tiny:1",
+                      forked=True) as server, httpx.Client(base_url=server.url, timeout=60) as c:
         # The running request's controller spins for as long as its argument says, every step.
         mid = c.post("/v1/controllers", content=bytes(wasm_of(busy_wat()))).json()["module_id"]
         assert c.post("/v1/controllers/tags", json={"tag": "steady", "module_id": mid}).status_code == 200
@@ -422,9 +422,10 @@ def test_postgres_restart_under_load(pg_cluster):
         first_503 = None
         # The stream has no end of its own (how long the outage takes to show varies with the
         # machine's load): it is read as it comes until the registry is back, then closed.
-        # (~11 ms of spinning a step: the 1024 tokens would take ~12 s)
+        # (~11 ms of spinning a step: the 2000 tokens, about all the model's context holds, would take
+        # ~24 s, longer than a restart takes on a loaded machine)
         with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x70\x01",
-                                                "prompt": "x", "max_tokens": 1024, "ignore_eos": True}) as stream:
+                                                "prompt": "x", "max_tokens": 2000, "ignore_eos": True}) as stream:
             assert stream.status_code == 200, stream.read()
             events = sse_events(stream)
             assert next(events)["type"] == "step"
@@ -453,7 +454,10 @@ def test_postgres_restart_under_load(pg_cluster):
                 pg_cluster.start()
             eventually(lambda: c.get("/v1/controllers/tags").status_code == 200, what="the registry coming back")
             back = time.time()
-            eventually(lambda: arrived and arrived[-1][0] > back, what="the stream's steps after the outage")
+            try:
+                eventually(lambda: arrived and arrived[-1][0] > back, what="the stream's steps after the outage")
+            except AssertionError as e:  # (what ended the stream, if it ended)
+                raise AssertionError(f"{e}; {len(arrived)} events, the last {arrived[-1][1] if arrived else None!r:.300}")
         reader.join(timeout=10)
         # It ran through the outage: steps all along, nothing but steps.
         assert all(isinstance(e, dict) and e["type"] == "step" for _, e in arrived), [e for _, e in arrived][-3:]
