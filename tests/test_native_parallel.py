@@ -110,6 +110,7 @@ def test_late_helpers_send_the_next_jobs_inline_for_a_while():
     main = threading.get_ident()
     before = kernels.parallel_stats()
     for _ in range(5):  # back to back, ~6 ms apart: in the window (more tries on a loaded host)
+        _offering_jobs_to_helpers()  # (past a backoff that a third late helper began: a loaded host)
         assert _late_job(0.005), "no helper took part"
         inline = kernels.parallel_stats()["inline"]
         threads = _record_jobs(1)  # right after the late one: within the backoff
