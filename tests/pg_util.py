@@ -66,9 +66,9 @@ class PostgresCluster:
             return ""
 
     def start(self) -> "PostgresCluster":
-        # A throwaway cluster: no fsync (a `fast` stop's checkpoint synced ~1000 files for ~5 s on a
-        # busy host), and a connection that never sends its start-up packet is dropped after 10 s
-        # instead of 60 (a stop waits for such connections, and pg_ctl's wait is 60 s).
+        # A throwaway cluster: no fsync (a `fast` stop's checkpoint would sync every file, for
+        # seconds on a busy host), and a connection that never sends its start-up packet is dropped
+        # well before pg_ctl's 60 s wait (a stop waits for such connections).
         options = (f"-p {self.port} -k {self.data} -c listen_addresses={self.host} -c max_connections=200"
                    " -c fsync=off -c authentication_timeout=10s")
         self._run([_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w",

@@ -86,7 +86,7 @@ def test_langchain_with_structured_output(server, method):
 
     def call(seed):
         # The seed is the model's own field: with_structured_output on `llm.bind(seed=...)` drops what was
-        # bound, and each request would then sample unseeded (about 1 in 100 rambles past max_tokens).
+        # bound, and each request would then sample unseeded (now and then rambling past max_tokens).
         llm = ChatOpenAI(base_url=server.url + "/v1", api_key="x", model="smollm2", temperature=0.7, max_tokens=80,
                          max_retries=0, seed=seed)
         return llm.with_structured_output(City, method=method).invoke(PROMPT)

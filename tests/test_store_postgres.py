@@ -13,6 +13,7 @@ import os
 import re
 import threading
 import time
+from typing import Callable
 
 import httpx
 import psycopg
@@ -30,15 +31,16 @@ from controller_wat import busy_wat, wasm_of
 from test_auth_registry import _uploads_killed_at_random, module
 
 
-def eventually(check, timeout: float = 30.0, what: str = "the condition"):
+def eventually(check, timeout: float = 30.0, what: str | Callable[[], str] = "the condition"):
     """Poll `check()` until it is truthy (its value) or fail after `timeout` (generous: a loaded
-    machine; what these tests assert is that it happens, not how fast)."""
+    machine; what these tests assert is that it happens, not how fast). `what` names the
+    condition in the failure; a callable is asked then, to tell the state at that moment."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        assert time.monotonic() < deadline, f"{what() if callable(what) else what} did not happen within {timeout:g} s"
         time.sleep(0.05)
 
 
@@ -420,10 +422,9 @@ def test_postgres_restart_under_load(pg_cluster):
         loader.start()
         eventually(lambda: len(acked) >= 2, what="uploads")
         first_503 = None
-        # The stream has no end of its own (how long the outage takes to show varies with the
-        # machine's load): it is read as it comes until the registry is back, then closed.
-        # (~11 ms of spinning a step: the 2000 tokens, about all the model's context holds, would take
-        # ~24 s, longer than a restart takes on a loaded machine)
+        # The stream is read as it comes until the registry is back, then closed: it must outlast
+        # the outage, whose length varies with the machine's load, so it asks for about all the
+        # tokens the model's context holds (each step spins the controller for ~11 ms).
         with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x70\x01",
                                                 "prompt": "x", "max_tokens": 2000, "ignore_eos": True}) as stream:
             assert stream.status_code == 200, stream.read()
@@ -454,10 +455,9 @@ def test_postgres_restart_under_load(pg_cluster):
                 pg_cluster.start()
             eventually(lambda: c.get("/v1/controllers/tags").status_code == 200, what="the registry coming back")
             back = time.time()
-            try:
-                eventually(lambda: arrived and arrived[-1][0] > back, what="the stream's steps after the outage")
-            except AssertionError as e:  # (what ended the stream, if it ended)
-                raise AssertionError(f"{e}; {len(arrived)} events, the last {arrived[-1][1] if arrived else None!r:.300}")
+            eventually(lambda: arrived and arrived[-1][0] > back,
+                       what=lambda: f"the stream's steps after the outage ({len(arrived)} events, the last "
+                                    f"{arrived[-1][1] if arrived else None!r:.300})")
         reader.join(timeout=10)
         # It ran through the outage: steps all along, nothing but steps.
         assert all(isinstance(e, dict) and e["type"] == "step" for _, e in arrived), [e for _, e in arrived][-3:]
