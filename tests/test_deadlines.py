@@ -48,7 +48,7 @@ def _calibrated(rt, shape, target_s: float):
     module = rt.load(shape.wasm(busy_wat()))
     n = 200_000
     while True:
-        ctl = rt.start(module, struct.pack("<I", n), {"mid_process_ms": 1000})
+        ctl = rt.start(module, struct.pack("<I", n))  # its steps stay far below the default deadline
         cpu = min(_cpu_of_one_call(ctl) for _ in range(3))
         ctl.close()
         if cpu >= target_s / 4:
@@ -150,7 +150,8 @@ def test_tokenize_in_a_loop_is_charged_and_budgeted(shape):
     """A step that tokenizes 16 KiB again and again: each call's time counts against the step
     (the tokenizer works on the guest's thread, without the GIL), and the request's tokenize
     budget ends it with kind `limit` when that comes first."""
-    with ControllerRuntime(Tokenizer.byte_level(512), cache_dir=False) as runtime:
+    # a request can only lower the runtime's limits: the second controller's 1 s comes from here
+    with ControllerRuntime(Tokenizer.byte_level(512), Limits(mid_process_ms=1000), cache_dir=False) as runtime:
         module = runtime.load(shape.wasm(TOKENIZE_LOOP))
         digits = b"7" * 16384
         ctl = runtime.start(module, digits, {"mid_process_ms": 25})
@@ -160,7 +161,8 @@ def test_tokenize_in_a_loop_is_charged_and_budgeted(shape):
         elapsed = time.perf_counter() - t0
         assert e.value.kind in ("timeout", "limit"), e.value
         assert elapsed < 5, elapsed  # a behaviour bound: 1000 calls x 16 KiB would take far longer
-        small = runtime.start(module, digits, {"max_tokenize_bytes": 40000, "mid_process_ms": 1000})
+        small = runtime.start(module, digits, {"max_tokenize_bytes": 40000})
+        assert small.limits.mid_process_ms == 1000
         with pytest.raises(ControllerError) as e:
             small.mid_process(0, 0, [1])
         assert e.value.kind == "limit" and "tokenize budget of 40000 bytes" in str(e.value)
