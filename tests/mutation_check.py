@@ -51,6 +51,13 @@ MUTATIONS = [
              "            if (next_backoff > BACKOFF_MIN_NS || now - last_late < LATE_WINDOW_NS) {",
              "            if (1) {",
              ["tests/test_native_parallel.py"]),
+    Mutation("the bf16 attention's value pairs (each weight meets the other key's value)",
+             "host/rudder/native/attention.c",
+             "          : zip32h(load16h(call->v_cache, cb, at[2 * (j)] + 16 * (c)),                             \\\n"
+             "                   load16h(call->v_cache, cb, at[2 * (j) + 1] + 16 * (c))))",
+             "          : zip32h(load16h(call->v_cache, cb, at[2 * (j) + 1] + 16 * (c)),                         \\\n"
+             "                   load16h(call->v_cache, cb, at[2 * (j)] + 16 * (c))))",
+             ["tests/test_native_attention.py"]),
     Mutation("the attention state's rows", "host/rudder/native/attention.c",
              "#define STATE_ROWS (MAX_GROUP * MAX_REP) /* query rows (a running max and total each) per item */",
              "#define STATE_ROWS (STATE_VECS / 4) /* query rows (a running max and total each) per item */",

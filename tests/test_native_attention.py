@@ -141,3 +141,34 @@ def test_a_group_matches_a_float64_reference():
             scores = keys[:, g] @ rope(q[i, hd], pos) / math.sqrt(d)
             want = torch.softmax(scores, 0) @ vals[:, g]
             assert torch.allclose(out[i, hd], want, atol=1e-4), (i, hd)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 128), (6, 2, 32)])
+def test_bf16_rows_match_a_float64_reference(heads, kv_heads, d):
+    """A bf16 model's attention multiplies bf16 pairs (its queries and softmax weights rounded to
+    bf16, as its torch path holds them): every kind of item - decoding rows alone, a cascade over a
+    shared prefix, a prefill group - stays within bf16's precision of the exact result."""
+    contexts = [80, 83, 91, 30]
+    case = Case(heads, kv_heads, d, torch.bfloat16, contexts)
+    case.tables[1:3, :5] = case.tables[0, :5]  # three rows share 80 positions: a cascade
+    rows = [(i, contexts[i]) for i in range(3)] + [(3, 30 + i) for i in range(12)]
+    qkv = case.qkv(len(rows))
+    k, v = case.k.clone(), case.v.clone()
+    out = case.run(rows, qkv, k, v).double().reshape(len(rows), heads, d)
+
+    def rope(x, pos):
+        c, s = case.cos[pos].double(), case.sin[pos].double()
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * c + torch.cat([-x2, x1], dim=-1) * s
+
+    q = qkv.double()[:, : heads * d].reshape(len(rows), heads, d)
+    errors = []
+    for i, (seq, pos) in enumerate(rows):
+        keys = torch.stack([k[case.slot(seq, p)] for p in range(pos + 1)]).double()
+        vals = torch.stack([v[case.slot(seq, p)] for p in range(pos + 1)]).double()
+        for hd in range(heads):
+            g = hd // (heads // kv_heads)
+            want = torch.softmax(keys[:, g] @ rope(q[i, hd], pos) / math.sqrt(d), 0) @ vals[:, g]
+            errors.append((out[i, hd] - want).abs())
+    errors = torch.cat(errors)
+    assert errors.max() < 1.5e-2 and errors.mean() < 1e-3, (errors.max(), errors.mean())

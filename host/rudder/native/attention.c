@@ -24,12 +24,19 @@
  * Shapes: head_dim 16, 64 or 128 and up to 8 query heads per KV head have code with their sizes
  * fixed at compile time (accumulators in registers); other head_dims that are multiples of 16
  * take a generic loop with the same arithmetic. Element types: activations (qkv, out) and cache
- * each fp32 or bf16; arithmetic in fp32; keys and values are stored at the activations'
- * precision (a bf16 model's fp32 cache holds bf16 values, as a bf16 cache would).
+ * each fp32 or bf16; keys and values are stored at the activations' precision (a bf16 model's
+ * fp32 cache holds bf16 values, as a bf16 cache would). Arithmetic: fp32 for an fp32 model; a
+ * bf16 model (head_dim a multiple of 32) multiplies bf16 pairs into fp32 sums (vdpbf16ps), its
+ * queries and softmax weights rounded to bf16 as its torch path holds them: half the
+ * multiply-adds, and no widening of the cache's keys and values.
  */
 #include "kernels.h"
 
 #include <stdlib.h>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 typedef struct {
     const rudder_attn_step *s;
@@ -92,6 +99,112 @@ static inline v16f exp16_neg(v16f x) {
     return p * scale;
 }
 
+
+/* ---- bf16 models: products of bf16 pairs ------------------------------------------------------
+ * A bf16 model's queries and weights are rounded to bf16 (as its torch path holds them) and meet
+ * the bf16 keys and values as pairs summed into fp32 lanes: vdpbf16ps where the CPU has it, else
+ * the same operations in plain code (the odd element of a pair first, fp32 rounding after each).
+ * Half the multiply-adds of widening both sides to fp32. */
+typedef uint16_t v32h __attribute__((vector_size(64), aligned(2)));
+
+static inline v16f dot_pairs(v16f acc, v32h a, v32h b) {
+#ifdef __AVX512BF16__
+    __m512 r, ra;
+    __m512bh pa, pb;
+    memcpy(&ra, &acc, 64);
+    memcpy(&pa, &a, 64);
+    memcpy(&pb, &b, 64);
+    r = _mm512_dpbf16_ps(ra, pa, pb);
+    memcpy(&acc, &r, 64);
+    return acc;
+#else
+#pragma clang fp contract(off)
+    v16u ua, ub;
+    memcpy(&ua, &a, 64);
+    memcpy(&ub, &b, 64);
+    v16u ha = ua & 0xffff0000u, hb = ub & 0xffff0000u, la = ua << 16, lb = ub << 16;
+    v16f fha, fhb, fla, flb;
+    memcpy(&fha, &ha, 64);
+    memcpy(&fhb, &hb, 64);
+    memcpy(&fla, &la, 64);
+    memcpy(&flb, &lb, 64);
+    acc = acc + fha * fhb;
+    return acc + fla * flb;
+#endif
+}
+
+/* store16_bf16 of values that are not NaN, in one instruction where the CPU has one. */
+static inline void store16_bf16_fast(uint16_t *p, v16f v) {
+#ifdef __AVX512BF16__
+    __m512 f;
+    memcpy(&f, &v, 64);
+    __m256bh h = _mm512_cvtneps_pbh(f);
+    memcpy(p, &h, 32);
+#else
+    store16_bf16(p, v);
+#endif
+}
+
+/* 16 bf16 values at element i (an fp32 cache of a bf16 model holds bf16 values: exact). */
+static inline v16h load16h(const void *base, int bf16, int64_t i) {
+    v16h h;
+    if (bf16) {
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
+    } else {
+        uint16_t t[16];
+        store16_bf16(t, load16_f32((const float *)base + i));
+        memcpy(&h, t, sizeof h);
+    }
+    return h;
+}
+
+static inline v32h cat32h(v16h a, v16h b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                                   21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* Element i of a and of b side by side: the pairs of two keys' values, lane i = dimension i. */
+static inline v32h zip32h(v16h a, v16h b) {
+    return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10,
+                                   26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
+/* 32 bf16 values at element i. */
+static inline v32h load32h(const void *base, int bf16, int64_t i) {
+    v32h r;
+    if (bf16) {
+        memcpy(&r, (const uint16_t *)base + i, 64);
+        return r;
+    }
+    return cat32h(load16h(base, 0, i), load16h(base, 0, i + 16));
+}
+
+static inline v32h at32h(const uint32_t *p) {
+    v32h r;
+    memcpy(&r, p, 64);
+    return r;
+}
+
+static inline v32h broadcast_pair(uint32_t pair) {
+    v16u u = (v16u){0} + pair;
+    v32h h;
+    memcpy(&h, &u, 64);
+    return h;
+}
+
+/* Lane j: `in` where j < n, else `out`. */
+static inline v16f lanes_below(int n, float in, float out) {
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16i below = lane < n;
+    v16f a = (v16f){0} + in, b = (v16f){0} + out, r;
+    v16i ai, bi;
+    memcpy(&ai, &a, 64);
+    memcpy(&bi, &b, 64);
+    ai = (below & ai) | (~below & bi);
+    memcpy(&r, &ai, 64);
+    return r;
+}
+
 #define MAX_OP(a, b) __builtin_elementwise_max(a, b)
 
 static inline float hmax16(v16f v) {
@@ -118,16 +231,22 @@ static inline v16f reduce16(const v16f p[16]) {
 
 /* Row i (token t at position pos) before its first tile: for each head r of KV head g, its
  * query rotated and scaled, its sums at zero, its running max and total. */
-#define START_ROW(D, REP, i, t, pos)                                                               \
+#define START_ROW(D, REP, BF, i, t, pos)                                                           \
     for (int r = 0; r < (REP); r++) {                                                              \
         int64_t at_ = (i) * (REP) + r;                                                             \
         float qf[MAX_D];                                                                           \
+        uint16_t qh_[MAX_D];                                                                       \
         rope(qf, call->qkv, s->x_bf16, (t) * row + (g * (REP) + r) * (D), s->cos + (pos) * (D),    \
              s->sin + (pos) * (D), (D));                                                           \
         for (int c = 0; c < (D) / 16; c++) {                                                       \
-            q[at_ * ((D) / 16) + c] = load16_f32(qf + 16 * c) * s->scale;                          \
+            if (BF)                                                                                \
+                store16_bf16(qh_ + 16 * c, load16_f32(qf + 16 * c) * s->scale);                    \
+            else                                                                                   \
+                q[at_ * ((D) / 16) + c] = load16_f32(qf + 16 * c) * s->scale;                      \
             acc[at_ * ((D) / 16) + c] = (v16f){0};                                                 \
         }                                                                                          \
+        if (BF)                                                                                    \
+            memcpy(&qb[at_ * ((D) / 2)], qh_, (D) * sizeof(uint16_t));                              \
         m[at_] = -1e30f;                                                                           \
         l[at_] = 0.0f;                                                                             \
     }
@@ -160,15 +279,89 @@ static inline v16f reduce16(const v16f p[16]) {
             vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                                  \
         }
 
+/* The tile at at[] for a bf16 model: keys as they are (pairs of dimensions), values as pairs of
+ * keys (dimension i of keys 2p and 2p+1 in lane i of vp[p]). */
+#define LOAD_TILE_BF(D)                                                                            \
+    do {                                                                                           \
+        for (int j = 0; j < TILE; j++)                                                             \
+            for (int c = 0; c < (D) / 32; c++)                                                     \
+                kb[j][c] = load32h(call->k_cache, cb, at[j] + 32 * c);                             \
+        for (int j = 0; j < TILE / 2; j++)                                                         \
+            for (int c = 0; c < (D) / 16; c++)                                                     \
+                vp[j][c] = VALUE_PAIRS(j, c, 0);                                                   \
+    } while (0)
+
+/* Key j's dimensions 32c.. as pairs, and the values of keys 2j and 2j+1 paired (see above): from
+ * the tile (SH) or straight from the cache (a row alone: copying the tile would cost more). */
+#define KEY_PAIRS(j, c, SH) ((SH) ? kb[j][c] : load32h(call->k_cache, cb, at[j] + 32 * (c)))
+#define VALUE_PAIRS(j, c, SH)                                                                      \
+    ((SH) ? vp[j][c]                                                                               \
+          : zip32h(load16h(call->v_cache, cb, at[2 * (j)] + 16 * (c)),                             \
+                   load16h(call->v_cache, cb, at[2 * (j) + 1] + 16 * (c))))
+
+/* ROW_TILE of a bf16 model (its queries as bf16 pairs at qbi): the same online softmax; a key's
+ * score is its 16 lane-wise sums of pair products, reduced as ROW_TILE's are; the weights are
+ * rounded to bf16 (masked keys' to exactly 0) and the total sums them as rounded, so a row's
+ * output is a weighted mean of its values. */
+#define ROW_TILE_BF(D, REP, SH)                                                                    \
+    do {                                                                                           \
+        v16f valid = lanes_below(n, 0.0f, -1e30f), keep = lanes_below(n, 1.0f, 0.0f);              \
+        v16f sc[REP];                                                                              \
+        {                                                                                          \
+            v16f part[(REP)][TILE];                                                                \
+            _Pragma("clang loop unroll(full)")                                                     \
+            for (int j = 0; j < TILE; j++) {                                                       \
+                v32h kj[(D) / 32];                                                                 \
+                for (int c = 0; c < (D) / 32; c++)                                                 \
+                    kj[c] = KEY_PAIRS(j, c, SH);                                                   \
+                for (int r = 0; r < (REP); r++) {                                                  \
+                    v16f a = (v16f){0};                                                            \
+                    for (int c = 0; c < (D) / 32; c++)                                             \
+                        a = dot_pairs(a, at32h(qbi + r * ((D) / 2) + 16 * c), kj[c]);              \
+                    part[r][j] = a;                                                                \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < (REP); r++)                                                        \
+                sc[r] = reduce16(part[r]);                                                         \
+        }                                                                                          \
+        uint32_t wp[(REP)][TILE / 2];                                                              \
+        for (int r = 0; r < (REP); r++) {                                                          \
+            v16f x = sc[r] + valid;                                                                \
+            float top = hmax16(x);                                                                 \
+            top = top > mi[r] ? top : mi[r];                                                       \
+            if (top > mi[r]) { /* (else the factor would be exp(0) = 1 exactly) */                \
+                float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
+                li[r] *= corr;                                                                     \
+                for (int c = 0; c < (D) / 16; c++)                                                 \
+                    ai[r * ((D) / 16) + c] *= corr;                                                \
+                mi[r] = top;                                                                       \
+            }                                                                                      \
+            uint16_t wh[TILE];                                                                     \
+            store16_bf16_fast(wh, exp16_neg(x - top) * keep);                                      \
+            li[r] += hsum16(load16_bf16(wh));                                                      \
+            memcpy(wp[r], wh, sizeof wh);                                                          \
+        }                                                                                          \
+        v16f ar[(REP) * ((D) / 16)];                                                               \
+        for (int e = 0; e < (REP) * ((D) / 16); e++)                                               \
+            ar[e] = ai[e];                                                                         \
+        for (int j = 0; j < (n + 1) / 2; j++)                                                      \
+            _Pragma("clang loop unroll(full)") /* (the row's sums then stay in registers) */       \
+            for (int c = 0; c < (D) / 16; c++) {                                                   \
+                v32h vv = VALUE_PAIRS(j, c, SH);                                                   \
+                for (int r = 0; r < (REP); r++)                                                    \
+                    ar[r * ((D) / 16) + c] = dot_pairs(ar[r * ((D) / 16) + c], broadcast_pair(wp[r][j]), vv); \
+            }                                                                                      \
+        for (int e = 0; e < (REP) * ((D) / 16); e++)                                               \
+            ai[e] = ar[e];                                                                         \
+    } while (0)
+
 /* One row's update by one tile of keys: its scores, the online softmax, the weighted values.
  * In scope: n (keys of the tile this row attends; the rest masked), qi/ai/mi/li (its queries,
  * sums, running max and total), the tile as kt/vt (SH) or as the cache offsets at[] (not SH). Every
  * path runs this same code, so a row's arithmetic never depends on the path. */
 #define ROW_TILE(D, REP, SH)                                                                       \
     do {                                                                                           \
-        v16f valid = (v16f){0};                                                                    \
-        for (int j = 0; j < TILE; j++)                                                             \
-            valid[j] = j < n ? 0.0f : -1e30f;                                                      \
+        v16f valid = lanes_below(n, 0.0f, -1e30f);                                                 \
         v16f sc[REP];                                                                              \
         for (int r = 0; r < (REP); r++) {                                                          \
             v16f part[TILE];                                                                       \
@@ -185,12 +378,15 @@ static inline v16f reduce16(const v16f p[16]) {
             v16f x = sc[r] + valid;                                                                \
             float top = hmax16(x);                                                                 \
             top = top > mi[r] ? top : mi[r];                                                       \
-            float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                                  \
+            if (top > mi[r]) { /* (else the factor would be exp(0) = 1 exactly) */                \
+                float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
+                li[r] *= corr;                                                                     \
+                for (int c = 0; c < (D) / 16; c++)                                                 \
+                    ai[r * ((D) / 16) + c] *= corr;                                                \
+                mi[r] = top;                                                                       \
+            }                                                                                      \
             sc[r] = exp16_neg(x - top);                                                            \
-            li[r] = li[r] * corr + hsum16(sc[r]);                                                  \
-            mi[r] = top;                                                                           \
-            for (int c = 0; c < (D) / 16; c++)                                                     \
-                ai[r * ((D) / 16) + c] *= corr;                                                    \
+            li[r] += hsum16(sc[r]);                                                                \
         }                                                                                          \
         /* the weights as floats (each broadcast from memory) and the row's sums in locals         \
            (registers): the same operations as sums in place, in the same order */                 \
@@ -220,7 +416,7 @@ static inline v16f reduce16(const v16f p[16]) {
  * (their score is -1e30 whatever the key). D and REP are compile-time constants in the
  * specialised copies below (a row's accumulators then live in registers), runtime values in the
  * generic one. */
-#define ATTEND_BODY(D, REP, SHARED)                                                                \
+#define ATTEND_BODY(D, REP, SHARED, BF)                                                            \
     const attn_call *call = (const attn_call *)p;                                                  \
     const rudder_attn_step *s = call->s;                                                           \
     int64_t h = s->heads, kvh = s->kv_heads, row = (h + 2 * kvh) * (D);                            \
@@ -230,24 +426,33 @@ static inline v16f reduce16(const v16f p[16]) {
     const int64_t *table = s->tables + s->seq_of[t0] * s->width;                                   \
     int cb = s->cache_bf16;                                                                        \
     /* (sized for one row when not SHARED: its state then lives in registers) */                \
-    v16f q[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)], acc[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)]; \
-    v16f kt[(SHARED) ? TILE : 1][(D) / 16], vt[(SHARED) ? TILE : 1][(D) / 16];                     \
+    v16f q[(BF) ? 1 : (SHARED) ? STATE_VECS : (REP) * ((D) / 16)];                                \
+    v16f acc[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)];                                          \
+    v16f kt[(SHARED) && !(BF) ? TILE : 1][(D) / 16], vt[(SHARED) && !(BF) ? TILE : 1][(D) / 16];   \
+    uint32_t qb[(BF) ? (SHARED) ? STATE_VECS * 8 : (REP) * ((D) / 2) : 1];                         \
+    v32h kb[(BF) && (SHARED) ? TILE : 1][(BF) ? (D) / 32 : 1], vp[(BF) && (SHARED) ? TILE / 2 : 1][(D) / 16]; \
     float m[(SHARED) ? STATE_ROWS : (REP)], l[(SHARED) ? STATE_ROWS : (REP)];                      \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        START_ROW(D, REP, i, t0 + i, pos0 + i);                                                    \
+        START_ROW(D, REP, BF, i, t0 + i, pos0 + i);                                                \
     for (int64_t p0 = 0; p0 < ctx_all; p0 += TILE) {                                               \
         int n_all = ctx_all - p0 < TILE ? (int)(ctx_all - p0) : TILE;                              \
         TILE_AT(D, table, p0, n_all);                                                              \
-        if (SHARED)                                                                                \
+        if ((SHARED) && (BF))                                                                      \
+            LOAD_TILE_BF(D);                                                                       \
+        else if (SHARED)                                                                           \
             LOAD_TILE(D);                                                                          \
         /* rows whose context ends before this tile are done: the first row to attend is the   \
            first whose context reaches p0 (row i's context is pos0 + i + 1) */                     \
         for (int64_t i = (SHARED) && p0 > pos0 ? p0 - pos0 : 0; i < rows; i++) {                   \
             int64_t left = pos0 + i + 1 - p0;                                                      \
             int n = left < TILE ? (int)left : TILE;                                                \
-            v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);             \
+            v16f *qi = q + ((BF) ? 0 : i * (REP) * ((D) / 16)), *ai = acc + i * (REP) * ((D) / 16); \
+            uint32_t *qbi = qb + ((BF) ? i * (REP) * ((D) / 2) : 0);                               \
             float *mi = m + i * (REP), *li = l + i * (REP);                                        \
-            ROW_TILE(D, REP, SHARED);                                                              \
+            if (BF)                                                                                \
+                ROW_TILE_BF(D, REP, SHARED);                                                       \
+            else                                                                                   \
+                ROW_TILE(D, REP, SHARED);                                                          \
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
@@ -264,7 +469,7 @@ static inline v16f reduce16(const v16f p[16]) {
  * on over its own tiles. Each row sees the same tiles in the same order through ROW_TILE as it
  * would alone, so its result is bit for bit the same (one expansion of ROW_TILE serves both
  * phases: it is most of the kernel's compile time). */
-#define CASCADE_BODY(D, REP)                                                                       \
+#define CASCADE_BODY(D, REP, BF)                                                                   \
     const attn_call *call = (const attn_call *)p;                                                  \
     const rudder_attn_step *s = call->s;                                                           \
     int64_t h = s->heads, kvh = s->kv_heads, row = (h + 2 * kvh) * (D), g = item % kvh;            \
@@ -272,10 +477,13 @@ static inline v16f reduce16(const v16f p[16]) {
     const int64_t *tok = call->cascade_tokens + call->cascade_first[unit];                         \
     int64_t bs = s->block_size;                                                                    \
     int cb = s->cache_bf16;                                                                        \
-    v16f q[STATE_VECS], acc[STATE_VECS], kt[TILE][(D) / 16], vt[TILE][(D) / 16];                   \
+    v16f q[(BF) ? 1 : STATE_VECS], acc[STATE_VECS];                                                \
+    v16f kt[(BF) ? 1 : TILE][(D) / 16], vt[(BF) ? 1 : TILE][(D) / 16];                             \
+    uint32_t qb[(BF) ? STATE_VECS * 8 : 1];                                                        \
+    v32h kb[(BF) ? TILE : 1][(BF) ? (D) / 32 : 1], vp[(BF) ? TILE / 2 : 1][(D) / 16];              \
     float m[STATE_ROWS], l[STATE_ROWS];                                                            \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        START_ROW(D, REP, i, tok[i], s->positions[tok[i]]);                                        \
+        START_ROW(D, REP, BF, i, tok[i], s->positions[tok[i]]);                                    \
     /* the shared tiles (whole, inside every row's context, read through the first row's table)   \
        for every row, then each row's own tiles for that row: one tile widened at a time */       \
     for (int64_t own = -1; own < rows; own++) {                                                    \
@@ -285,33 +493,43 @@ static inline v16f reduce16(const v16f p[16]) {
         for (int64_t p0 = from; p0 < to; p0 += TILE) {                                             \
             int n = to - p0 < TILE ? (int)(to - p0) : TILE;                                        \
             TILE_AT(D, table, p0, n);                                                              \
-            LOAD_TILE(D);                                                                          \
+            if (BF)                                                                                \
+                LOAD_TILE_BF(D);                                                                   \
+            else                                                                                   \
+                LOAD_TILE(D);                                                                      \
             for (int64_t i = own < 0 ? 0 : own; i < (own < 0 ? rows : own + 1); i++) {             \
-                v16f *qi = q + i * (REP) * ((D) / 16), *ai = acc + i * (REP) * ((D) / 16);         \
+                v16f *qi = q + ((BF) ? 0 : i * (REP) * ((D) / 16)), *ai = acc + i * (REP) * ((D) / 16); \
+                uint32_t *qbi = qb + ((BF) ? i * (REP) * ((D) / 2) : 0);                           \
                 float *mi = m + i * (REP), *li = l + i * (REP);                                    \
-                ROW_TILE(D, REP, 1);                                                               \
+                if (BF)                                                                            \
+                    ROW_TILE_BF(D, REP, 1);                                                        \
+                else                                                                               \
+                    ROW_TILE(D, REP, 1);                                                           \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
         END_ROW(D, REP, i, tok[i]);
 
-/* Units: the cascades first (the largest items, claimed first), then the groups. */
-#define ATTEND(D, REP)                                                                             \
-    static void attend_one_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP, 0) }           \
-    static void attend_group_##D##_##REP(void *p, int64_t item) { ATTEND_BODY(D, REP, 1) }         \
-    static void attend_cascade_##D##_##REP(void *p, int64_t item) { CASCADE_BODY(D, REP) }         \
-    static void attend_##D##_##REP(void *p, int64_t item) {                                        \
+/* Units: the cascades first (the largest items, claimed first), then the groups. BF: the bf16
+ * arithmetic (pairs of 32 bits: head_dims that are multiples of 32). */
+#define ATTEND_AS(D, REP, BF, NAME)                                                                \
+    static void attend_one_##NAME(void *p, int64_t item) { ATTEND_BODY(D, REP, 0, BF) }            \
+    static void attend_group_##NAME(void *p, int64_t item) { ATTEND_BODY(D, REP, 1, BF) }          \
+    static void attend_cascade_##NAME(void *p, int64_t item) { CASCADE_BODY(D, REP, BF) }          \
+    static void attend_##NAME(void *p, int64_t item) {                                             \
         const attn_call *call = (const attn_call *)p;                                              \
         int64_t kvh = call->s->kv_heads;                                                           \
         if (item < call->cascades * kvh)                                                           \
-            attend_cascade_##D##_##REP(p, item);                                                   \
+            attend_cascade_##NAME(p, item);                                                        \
         else if (call->group_rows[item / kvh - call->cascades] > 1)                                \
-            attend_group_##D##_##REP(p, item - call->cascades * kvh);                              \
+            attend_group_##NAME(p, item - call->cascades * kvh);                                   \
         else                                                                                       \
-            attend_one_##D##_##REP(p, item - call->cascades * kvh);                                \
+            attend_one_##NAME(p, item - call->cascades * kvh);                                     \
     }
-ATTEND(16, 1) ATTEND(16, 2) ATTEND(16, 3) ATTEND(16, 4)
+#define ATTEND_F32(D, REP) ATTEND_AS(D, REP, 0, D##_##REP)
+#define ATTEND(D, REP) ATTEND_AS(D, REP, 0, D##_##REP) ATTEND_AS(D, REP, 1, D##_##REP##_bf)
+ATTEND_F32(16, 1) ATTEND_F32(16, 2) ATTEND_F32(16, 3) ATTEND_F32(16, 4)
 ATTEND(64, 1) ATTEND(64, 2) ATTEND(64, 3) ATTEND(64, 4) ATTEND(64, 5) ATTEND(64, 6) ATTEND(64, 7) ATTEND(64, 8)
 ATTEND(128, 1) ATTEND(128, 2) ATTEND(128, 3) ATTEND(128, 4) ATTEND(128, 5) ATTEND(128, 6) ATTEND(128, 7) ATTEND(128, 8)
 
@@ -319,18 +537,24 @@ ATTEND(128, 1) ATTEND(128, 2) ATTEND(128, 3) ATTEND(128, 4) ATTEND(128, 5) ATTEN
 static void attend_any(void *p, int64_t item) {
     const rudder_attn_step *shape = ((const attn_call *)p)->s;
     int64_t d = shape->head_dim, rep = shape->heads / shape->kv_heads;
-    ATTEND_BODY(d, rep, 1)
+    if (shape->x_bf16 && d % 32 == 0) {
+        ATTEND_BODY(d, rep, 1, 1)
+    } else {
+        ATTEND_BODY(d, rep, 1, 0)
+    }
 }
 
 /* The item function for this shape; *specialised: whether it is a compiled-in shape (only those
  * take cascades). */
-static rudder_chunk_fn pick(int64_t d, int64_t rep, int *specialised) {
+static rudder_chunk_fn pick(int64_t d, int64_t rep, int bf16, int *specialised) {
     *specialised = 1;
-#define CASE(D, REP) if (d == D && rep == REP) return attend_##D##_##REP;
-    CASE(16, 1) CASE(16, 2) CASE(16, 3) CASE(16, 4)
+#define CASE_F32(D, REP) if (d == D && rep == REP) return attend_##D##_##REP;
+#define CASE(D, REP) if (d == D && rep == REP) return bf16 ? attend_##D##_##REP##_bf : attend_##D##_##REP;
+    CASE_F32(16, 1) CASE_F32(16, 2) CASE_F32(16, 3) CASE_F32(16, 4)
     CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 5) CASE(64, 6) CASE(64, 7) CASE(64, 8)
     CASE(128, 1) CASE(128, 2) CASE(128, 3) CASE(128, 4) CASE(128, 5) CASE(128, 6) CASE(128, 7) CASE(128, 8)
 #undef CASE
+#undef CASE_F32
     *specialised = 0;
     return attend_any;
 }
@@ -456,7 +680,7 @@ int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, 
         n = make_groups(s, (longest + 1) / 2, groups, groups + s->tokens);
     }
     int specialised;
-    rudder_chunk_fn fn = pick(d, rep, &specialised);
+    rudder_chunk_fn fn = pick(d, rep, s->x_bf16, &specialised);
     int64_t *cascades = groups + 2 * s->tokens, nc = 0; /* tokens, then per cascade first/rows/shared */
     if (specialised && n > 1)
         nc = make_cascades(s, most, &n, groups, groups + s->tokens, cascades, cascades + s->tokens,
