@@ -4,6 +4,7 @@ depend on their batch, fused epilogues (residual add, SwiGLU) equal to the unfus
 model that still computes what it did."""
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from rudder.engine.model_runner import StepArrays
 from rudder.model import build_model
 from rudder import kernels
 from rudder.packed_linear import (Bf16Linear, Int8Linear, Linear, PackedLinear, pack_blocks, pack_linears,
-                                  packing_available, unpack_blocks, unpack_linears)
+                                  packing_available, place_in_huge_pages, unpack_blocks, unpack_linears)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
 
@@ -128,3 +129,31 @@ def test_native_epilogues_equal_the_unfused_ops(kind):
     out = down.add_into(x, residual)
     assert out is residual  # in place: the residual stream is updated, not copied
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif("not kernels.available()", reason="no native kernels")
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="no THP here")
+def test_native_weights_move_into_huge_pages_and_compute_the_same():
+    gen = torch.Generator().manual_seed(2)
+    layers = nn.Sequential(*[Bf16Linear(torch.randn(1024, 512, generator=gen) / 20) for _ in range(3)],
+                           Int8Linear(torch.randn(1024, 512, generator=gen) / 20))
+    x = torch.randn(3, 512, generator=gen).to(torch.bfloat16)
+    before = [layer(x) for layer in layers]
+    assert place_in_huge_pages(layers) >= 3 * 1024 * 512 * 2 + 1024 * 512
+    assert place_in_huge_pages(layers) == 0  # placed once
+    for layer, want in zip(layers, before):
+        assert layer.in_huge_pages and torch.equal(layer(x), want)
+        assert "hg" in _vm_flags(layer.packed.data_ptr())  # advised for huge pages
