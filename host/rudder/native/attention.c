@@ -249,14 +249,18 @@ static inline v16f reduce16(const v16f p[16]) {
             memcpy(&qb[at_ * ((D) / 2)], qh_, (D) * sizeof(uint16_t));                              \
         m[at_] = -1e30f;                                                                           \
         l[at_] = 0.0f;                                                                             \
+        if (BF)                                                                                    \
+            lv_all[at_] = (v16f){0};                                                               \
     }
 
 /* Row i (token t) after its last tile: its sums over its total, into the output. */
-#define END_ROW(D, REP, i, t)                                                                      \
-    for (int r = 0; r < (REP); r++)                                                                \
+#define END_ROW(D, REP, BF, i, t)                                                                  \
+    for (int r = 0; r < (REP); r++) {                                                              \
+        float total_ = (BF) ? hsum16(lv_all[(i) * (REP) + r]) : l[(i) * (REP) + r];                \
         for (int c = 0; c < (D) / 16; c++)                                                         \
             store16(call->out, s->x_bf16, (t) * h * (D) + (g * (REP) + r) * (D) + 16 * c,            \
-                    acc[((i) * (REP) + r) * ((D) / 16) + c] * (1.0f / l[(i) * (REP) + r]));
+                    acc[((i) * (REP) + r) * ((D) / 16) + c] * (1.0f / total_));                    \
+    }
 
 /* at[]: the cache offsets of the tile of keys from p0 of `table`'s sequence, for KV head g; past
  * its first `count` keys, the last key again. A tile lies in one block when blocks hold whole
@@ -299,10 +303,14 @@ static inline v16f reduce16(const v16f p[16]) {
           : zip32h(load16h(call->v_cache, cb, at[2 * (j)] + 16 * (c)),                             \
                    load16h(call->v_cache, cb, at[2 * (j) + 1] + 16 * (c))))
 
-/* ROW_TILE of a bf16 model (its queries as bf16 pairs at qbi): the same online softmax; a key's
- * score is its 16 lane-wise sums of pair products, reduced as ROW_TILE's are; the weights are
+/* ROW_TILE of a bf16 model (its queries as bf16 pairs at qbi): a key's score is its 16 lane-wise
+ * sums of pair products, reduced as ROW_TILE's are. The online softmax keeps its reference max
+ * until a score passes it by LAZY_MAX (weights up to e^8, far from fp32's range), so a tile's
+ * exps do not wait for its max, and the total is summed lane-wise (lv), reduced once at the end:
+ * the chain of dependent operations per tile is what bounded a row's time. The weights are
  * rounded to bf16 (masked keys' to exactly 0) and the total sums them as rounded, so a row's
  * output is a weighted mean of its values. */
+#define LAZY_MAX 8.0f
 #define ROW_TILE_BF(D, REP, SH)                                                                    \
     do {                                                                                           \
         v16f valid = lanes_below(n, 0.0f, -1e30f), keep = lanes_below(n, 1.0f, 0.0f);              \
@@ -328,17 +336,16 @@ static inline v16f reduce16(const v16f p[16]) {
         for (int r = 0; r < (REP); r++) {                                                          \
             v16f x = sc[r] + valid;                                                                \
             float top = hmax16(x);                                                                 \
-            top = top > mi[r] ? top : mi[r];                                                       \
-            if (top > mi[r]) { /* (else the factor would be exp(0) = 1 exactly) */                \
+            if (top > mi[r] + LAZY_MAX) { /* (rarely: the exp below need not wait for this) */      \
                 float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
-                li[r] *= corr;                                                                     \
+                lv[r] *= corr;                                                                     \
                 for (int c = 0; c < (D) / 16; c++)                                                 \
                     ai[r * ((D) / 16) + c] *= corr;                                                \
                 mi[r] = top;                                                                       \
             }                                                                                      \
             uint16_t wh[TILE];                                                                     \
-            store16_bf16_fast(wh, exp16_neg(x - top) * keep);                                      \
-            li[r] += hsum16(load16_bf16(wh));                                                      \
+            store16_bf16_fast(wh, exp16_neg(x - mi[r]) * keep);                                    \
+            lv[r] += load16_bf16(wh);                                                              \
             memcpy(wp[r], wh, sizeof wh);                                                          \
         }                                                                                          \
         v16f ar[(REP) * ((D) / 16)];                                                               \
@@ -432,6 +439,7 @@ static inline v16f reduce16(const v16f p[16]) {
     uint32_t qb[(BF) ? (SHARED) ? STATE_VECS * 8 : (REP) * ((D) / 2) : 1];                         \
     v32h kb[(BF) && (SHARED) ? TILE : 1][(BF) ? (D) / 32 : 1], vp[(BF) && (SHARED) ? TILE / 2 : 1][(D) / 16]; \
     float m[(SHARED) ? STATE_ROWS : (REP)], l[(SHARED) ? STATE_ROWS : (REP)];                      \
+    v16f lv_all[(BF) ? (SHARED) ? STATE_ROWS : (REP) : 1];                                         \
     for (int64_t i = 0; i < rows; i++)                                                             \
         START_ROW(D, REP, BF, i, t0 + i, pos0 + i);                                                \
     for (int64_t p0 = 0; p0 < ctx_all; p0 += TILE) {                                               \
@@ -449,6 +457,7 @@ static inline v16f reduce16(const v16f p[16]) {
             v16f *qi = q + ((BF) ? 0 : i * (REP) * ((D) / 16)), *ai = acc + i * (REP) * ((D) / 16); \
             uint32_t *qbi = qb + ((BF) ? i * (REP) * ((D) / 2) : 0);                               \
             float *mi = m + i * (REP), *li = l + i * (REP);                                        \
+            v16f *lv = lv_all + ((BF) ? i * (REP) : 0);                                            \
             if (BF)                                                                                \
                 ROW_TILE_BF(D, REP, SHARED);                                                       \
             else                                                                                   \
@@ -456,7 +465,7 @@ static inline v16f reduce16(const v16f p[16]) {
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        END_ROW(D, REP, i, t0 + i);
+        END_ROW(D, REP, BF, i, t0 + i);
 
 /* A group of one row (a decoding token) reads the cache directly: copying its tiles would cost
  * more than it saves. */
@@ -482,6 +491,7 @@ static inline v16f reduce16(const v16f p[16]) {
     uint32_t qb[(BF) ? STATE_VECS * 8 : 1];                                                        \
     v32h kb[(BF) ? TILE : 1][(BF) ? (D) / 32 : 1], vp[(BF) ? TILE / 2 : 1][(D) / 16];              \
     float m[STATE_ROWS], l[STATE_ROWS];                                                            \
+    v16f lv_all[(BF) ? STATE_ROWS : 1];                                                            \
     for (int64_t i = 0; i < rows; i++)                                                             \
         START_ROW(D, REP, BF, i, tok[i], s->positions[tok[i]]);                                    \
     /* the shared tiles (whole, inside every row's context, read through the first row's table)   \
@@ -501,6 +511,7 @@ static inline v16f reduce16(const v16f p[16]) {
                 v16f *qi = q + ((BF) ? 0 : i * (REP) * ((D) / 16)), *ai = acc + i * (REP) * ((D) / 16); \
                 uint32_t *qbi = qb + ((BF) ? i * (REP) * ((D) / 2) : 0);                           \
                 float *mi = m + i * (REP), *li = l + i * (REP);                                    \
+                v16f *lv = lv_all + ((BF) ? i * (REP) : 0);                                        \
                 if (BF)                                                                            \
                     ROW_TILE_BF(D, REP, 1);                                                        \
                 else                                                                               \
@@ -509,7 +520,7 @@ static inline v16f reduce16(const v16f p[16]) {
         }                                                                                          \
     }                                                                                              \
     for (int64_t i = 0; i < rows; i++)                                                             \
-        END_ROW(D, REP, i, tok[i]);
+        END_ROW(D, REP, BF, i, tok[i]);
 
 /* Units: the cascades first (the largest items, claimed first), then the groups. BF: the bf16
  * arithmetic (pairs of 32 bits: head_dims that are multiples of 32). */
