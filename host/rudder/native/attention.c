@@ -275,6 +275,16 @@ static inline v16f reduce16(const v16f p[16]) {
         }                                                                                          \
     }
 
+/* Head r of a row takes `top` as its running max: its sums and `total` scaled to it. */
+#define RESCALE_ROW(D, r, top, total)                                                              \
+    do {                                                                                           \
+        float corr_ = exp16_neg((v16f){0} + (mi[r] - (top)))[0];                                   \
+        (total) *= corr_;                                                                          \
+        for (int c_ = 0; c_ < (D) / 16; c_++)                                                      \
+            ai[(r) * ((D) / 16) + c_] *= corr_;                                                    \
+        mi[r] = (top);                                                                             \
+    } while (0)
+
 /* The tile at at[] into kt/vt, widened to fp32 once for every row that uses it. */
 #define LOAD_TILE(D)                                                                               \
     for (int j = 0; j < TILE; j++)                                                                 \
@@ -336,13 +346,8 @@ static inline v16f reduce16(const v16f p[16]) {
         for (int r = 0; r < (REP); r++) {                                                          \
             v16f x = sc[r] + valid;                                                                \
             float top = hmax16(x);                                                                 \
-            if (top > mi[r] + LAZY_MAX) { /* (rarely: the exp below need not wait for this) */      \
-                float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
-                lv[r] *= corr;                                                                     \
-                for (int c = 0; c < (D) / 16; c++)                                                 \
-                    ai[r * ((D) / 16) + c] *= corr;                                                \
-                mi[r] = top;                                                                       \
-            }                                                                                      \
+            if (top > mi[r] + LAZY_MAX) /* (rarely: the exp below need not wait for this) */        \
+                RESCALE_ROW(D, r, top, lv[r]);                                                     \
             uint16_t wh[TILE];                                                                     \
             store16_bf16_fast(wh, exp16_neg(x - mi[r]) * keep);                                    \
             lv[r] += load16_bf16(wh);                                                              \
@@ -385,13 +390,8 @@ static inline v16f reduce16(const v16f p[16]) {
             v16f x = sc[r] + valid;                                                                \
             float top = hmax16(x);                                                                 \
             top = top > mi[r] ? top : mi[r];                                                       \
-            if (top > mi[r]) { /* (else the factor would be exp(0) = 1 exactly) */                \
-                float corr = exp16_neg((v16f){0} + (mi[r] - top))[0];                              \
-                li[r] *= corr;                                                                     \
-                for (int c = 0; c < (D) / 16; c++)                                                 \
-                    ai[r * ((D) / 16) + c] *= corr;                                                \
-                mi[r] = top;                                                                       \
-            }                                                                                      \
+            if (top > mi[r]) /* (else the factor would be exp(0) = 1 exactly) */                  \
+                RESCALE_ROW(D, r, top, li[r]);                                                     \
             sc[r] = exp16_neg(x - top);                                                            \
             li[r] += hsum16(sc[r]);                                                                \
         }                                                                                          \
@@ -544,7 +544,9 @@ ATTEND_F32(16, 1) ATTEND_F32(16, 2) ATTEND_F32(16, 3) ATTEND_F32(16, 4)
 ATTEND(64, 1) ATTEND(64, 2) ATTEND(64, 3) ATTEND(64, 4) ATTEND(64, 5) ATTEND(64, 6) ATTEND(64, 7) ATTEND(64, 8)
 ATTEND(128, 1) ATTEND(128, 2) ATTEND(128, 3) ATTEND(128, 4) ATTEND(128, 5) ATTEND(128, 6) ATTEND(128, 7) ATTEND(128, 8)
 
-/* Any head_dim that is a multiple of 16 (up to MAX_D) and up to MAX_REP heads per KV head. */
+/* Any head_dim that is a multiple of 16 (up to MAX_D) and up to MAX_REP heads per KV head. (Its
+ * head_dim is not known when compiled, so the loops meant to be unrolled stay loops.) */
+#pragma clang diagnostic ignored "-Wpass-failed"
 static void attend_any(void *p, int64_t item) {
     const rudder_attn_step *shape = ((const attn_call *)p)->s;
     int64_t d = shape->head_dim, rep = shape->heads / shape->kv_heads;
