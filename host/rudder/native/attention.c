@@ -327,7 +327,6 @@ static inline v16f reduce16(const v16f p[16]) {
         v16f sc[REP];                                                                              \
         {                                                                                          \
             v16f part[(REP)][TILE];                                                                \
-            _Pragma("clang loop unroll(full)")                                                     \
             for (int j = 0; j < TILE; j++) {                                                       \
                 v32h kj[(D) / 32];                                                                 \
                 for (int c = 0; c < (D) / 32; c++)                                                 \
