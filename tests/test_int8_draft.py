@@ -4,6 +4,7 @@ target's first layer; `rudder generate --speculative draft` is in test_cli.py)."
 
 from __future__ import annotations
 
+import pytest
 from torch import nn
 
 from rudder import LLM, SamplingParams
@@ -29,3 +30,20 @@ def test_the_default_draft_is_the_quantized_model_and_greedy_is_unchanged():
     assert not [m for m in draft.modules() if type(m) is nn.Linear]   # no float layer left
     assert draft.embed_tokens.weight.dtype != target.embed_tokens.weight.dtype or \
         draft.embed_tokens is target.embed_tokens   # shared, not copied, where the dtype allows
+
+
+@pytest.mark.model
+def test_smollm2_and_its_draft_keep_their_weights_in_huge_pages():
+    """Every native layer of the served model and of its int8 draft, the heads included, lives
+    in the mapping advised for transparent huge pages (packed_linear.place_in_huge_pages)."""
+    from rudder.packed_linear import _NativeLinear
+
+    llm = LLM("smollm2")
+    try:
+        llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0, speculative="draft"))
+        for model in (llm.model, llm.engine.spec._draft_model.model):
+            layers = [m for m in model.modules() if isinstance(m, _NativeLinear)]
+            assert len(layers) == 4 * model.cfg.num_layers + 1
+            assert all(m.in_huge_pages for m in layers), [type(m).__name__ for m in layers if not m.in_huge_pages]
+    finally:
+        llm.close()
