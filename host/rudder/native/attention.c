@@ -133,7 +133,8 @@ static inline v16f dot_pairs(v16f acc, v32h a, v32h b) {
 #endif
 }
 
-/* store16_bf16 of values that are not NaN, in one instruction where the CPU has one. */
+/* store16_bf16 in one instruction where the CPU has one (vcvtneps2bf16, which also takes
+ * denormal inputs as zero: a machine only ever uses one of the two). */
 static inline void store16_bf16_fast(uint16_t *p, v16f v) {
 #ifdef __AVX512BF16__
     __m512 f;
@@ -415,8 +416,8 @@ static inline v16f reduce16(const v16f p[16]) {
 
 /* One (group, KV head) item: the rows of a group are consecutive tokens of one sequence (a
  * drafted continuation, or a chunk of a prefill), so they attend over the same keys: each tile
- * of keys and values is read from the cache once, widened to fp32, and used by every row of the
- * group. A row's arithmetic is exactly what it would be alone (a group of one): the same tiles,
+ * of keys and values is read from the cache once, widened to fp32 (or paired, bf16), and used by
+ * every row of the group. A row's arithmetic is exactly what it would be alone (a group of one): the same tiles,
  * the same sums in the same order. A row whose context ends inside a tile masks the keys past its
  * end, as the last key repeated would be; keys past the end of a row's context add exactly 0
  * (their score is -1e30 whatever the key). D and REP are compile-time constants in the
