@@ -6,13 +6,14 @@ the decode step meets, timed alone so that a change to the kernel can be A/B'd w
 
 Cases: 16 decoding rows whose block tables share a 1024-token prefix (a cached system prompt:
 the cascade) on 1 and 2 threads; one row at 1040 positions; 16 rows of their own at 40
-positions. Random keys and values in a paged cache of 16-token blocks; median and min of
---calls calls, microseconds.
+positions. Random keys and values in a paged cache of 16-token blocks, in the layout a bf16
+model's cache has (in pairs: engine/kv_cache.py); median and min of --calls calls, microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import statistics
@@ -26,6 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
 from rudder import kernels  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
+
+
+def to_pairs(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[slots, kv heads, d] caches in the paired layout: per block and KV head, keys
+    [d/2][position][2], values [position/2][d][2]."""
+    blocks = k.shape[0] // BLOCK
+    keys = k.view(blocks, BLOCK, KV_HEADS, D // 2, 2).permute(0, 2, 3, 1, 4)
+    values = v.view(blocks, BLOCK // 2, 2, KV_HEADS, D).permute(0, 3, 1, 4, 2)
+    return (keys.reshape(blocks, KV_HEADS, BLOCK * D).contiguous(),
+            values.reshape(blocks, KV_HEADS, BLOCK * D).contiguous())
 
 
 def case(rows: int, context: int, shared: int, threads: int):
@@ -44,9 +55,13 @@ def case(rows: int, context: int, shared: int, threads: int):
     ang = torch.cat([ang, ang], dim=-1)
     positions = torch.tensor(contexts, dtype=torch.int64)
     slots = torch.tensor([int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate(contexts)])
+    # (a tree from before the paired layout times its standard one: benchmarks/ab.py's baseline)
+    layout = {"paired": True} if "paired" in inspect.signature(kernels.AttentionStep).parameters else {}
+    if layout:
+        k, v = to_pairs(k, v)
     step = kernels.AttentionStep(positions, slots, torch.arange(rows), tables, BLOCK, ang.cos().contiguous(),
                                  ang.sin().contiguous(), HEADS, KV_HEADS, D, torch.bfloat16, torch.bfloat16,
-                                 1 / math.sqrt(D))
+                                 1 / math.sqrt(D), **layout)
     step.struct.threads = threads
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * D, generator=gen).to(torch.bfloat16)
     return lambda: kernels.attention(step, qkv, k, v)

@@ -51,12 +51,10 @@ MUTATIONS = [
              "            if (next_backoff > BACKOFF_MIN_NS || now - last_late < LATE_WINDOW_NS) {",
              "            if (1) {",
              ["tests/test_native_parallel.py"]),
-    Mutation("the bf16 attention's value pairs (each weight meets the other key's value)",
+    Mutation("the paired cache's value pairs (each key's value in the other's place)",
              "host/rudder/native/attention.c",
-             "          : zip32h(load16h(call->v_cache, cb, at[2 * (j)] + 16 * (c)),                             \\\n"
-             "                   load16h(call->v_cache, cb, at[2 * (j) + 1] + 16 * (c))))",
-             "          : zip32h(load16h(call->v_cache, cb, at[2 * (j) + 1] + 16 * (c)),                         \\\n"
-             "                   load16h(call->v_cache, cb, at[2 * (j)] + 16 * (c))))",
+             "                vc[head + (o / 2 * d + i) * 2 + o % 2] = (uint16_t)half_at(call->qkv, 1, src + i);",
+             "                vc[head + (o / 2 * d + i) * 2 + 1 - o % 2] = (uint16_t)half_at(call->qkv, 1, src + i);",
              ["tests/test_native_attention.py"]),
     Mutation("the attention state's rows", "host/rudder/native/attention.c",
              "#define STATE_ROWS (MAX_GROUP * MAX_REP) /* query rows (a running max and total each) per item */",

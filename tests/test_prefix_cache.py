@@ -3,6 +3,7 @@ test), admission from the cache, and engines with the cache on and off giving th
 under every Branch kind."""
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -495,3 +496,33 @@ def test_a_large_kv_cache_costs_memory_only_as_blocks_are_written():
     grown = rss() - before
     assert 6 << 20 <= grown < 64 << 20
     assert float(cache.tensor[:, :, 100:200].abs().sum()) == 0.0  # unwritten blocks read as zeros
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_a_bf16_models_tokens_do_not_depend_on_its_caches_layout(params):
+    """A bf16 model whose head_dim takes the kernel's pair products (64, as SmolLM2's) keeps
+    its KV cache in pairs when a block holds whole 16-key tiles, else in the standard layout: the
+    same tokens either way, prefills, decodes and a cascade over a cached prompt included."""
+    from rudder import kernels
+    from rudder.config import TINY_CONFIG
+    from rudder.engine import Engine, EngineConfig
+    from rudder.model import build_model
+    from rudder.tokenizer import Tokenizer
+
+    if not kernels.available():
+        pytest.skip("no native kernels: the cache is never in pairs")
+    cfg = TINY_CONFIG.replace(head_dim=64)
+    prompt = list(range(10, 110))
+    plan = [(0, prompt + [200], params, None)] + [(2 if i == 0 else 0, prompt + [201 + i], params, None)
+                                                  for i in range(5)]
+    runs = []
+    for block_size, paired in ((16, True), (8, False)):
+        engine = Engine(build_model(cfg, None, "cpu", dtype="bf16"), Tokenizer.byte_level(cfg.vocab_size),
+                        EngineConfig(kv_cache_tokens=2048, block_size=block_size, max_seqs=64, controller_threads=0))
+        assert engine.runner.kv_cache.paired == paired and engine.runner.capabilities.native_decoder
+        before = kernels.attention_cascade_rows()
+        runs.append(run(SimpleNamespace(engine=engine), plan))
+        assert kernels.attention_cascade_rows() > before, "no cascade: the test tests nothing"
+    (paired_run, standard_run) = runs
+    assert [tokens for tokens, _, _ in paired_run] == [tokens for tokens, _, _ in standard_run]

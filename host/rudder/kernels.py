@@ -168,7 +168,7 @@ class AttentionStep:
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, seq_of: torch.Tensor, tables: torch.Tensor,
                  block_size: int, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                 x_dtype: torch.dtype, cache_dtype: torch.dtype, scale: float):
+                 x_dtype: torch.dtype, cache_dtype: torch.dtype, scale: float, paired: bool = False):
         _kernels()  # loaded first: the struct must come from the ffi of the library that takes it
         self.keep = [t.contiguous() for t in (positions, slots, seq_of, tables)]
         positions, slots, seq_of, tables = self.keep
@@ -184,6 +184,7 @@ class AttentionStep:
         s.heads, s.kv_heads, s.head_dim = heads, kv_heads, head_dim
         s.x_bf16 = x_dtype == torch.bfloat16
         s.cache_bf16 = cache_dtype == torch.bfloat16
+        s.kv_paired = paired  # the cache's blocks in pairs (engine/kv_cache.py)
         # fp32 layers run their GEMMs on oneDNN's OpenMP threads: an attention call on our own
         # pool between them wakes one pool while the other goes to sleep, every layer (a
         # batched decode step took far longer on two pools than with attention on this thread).
@@ -247,7 +248,7 @@ class DecoderStack:
 
     def run(self, step: AttentionStep, x: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """The layers over x ([T, hidden] bf16, contiguous; updated in place); kv_cache [layers,
-        2, blocks, block_size, kv heads, head dim], contiguous."""
+        2, blocks, ...] in either layout of engine/kv_cache.py, contiguous."""
         stride = kv_cache[0, 0].numel()
         hook = take_before_decoder()
         if hook is not None:

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import kernels
 from .config import ModelConfig
+from .engine.kv_cache import block_size_of, read_blocks, write_slots
 from .packed_linear import Bf16Linear, Int8Linear, Linear, prepare_linears
 from .precision import activation_dtype, resolve
 
@@ -117,14 +118,12 @@ class Attention(nn.Module):
 
         # Write the new keys/values into their cache slots, then read each sequence's whole
         # context back through its block table (the new tokens included).
-        num_blocks, block_size = k_cache.shape[:2]
         kv_dtype = k_cache.dtype
-        k_cache.view(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, meta.slot_mapping, k.to(kv_dtype))
-        v_cache.view(num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, meta.slot_mapping, v.to(kv_dtype))
+        write_slots(k_cache, v_cache, meta.slot_mapping, k.to(kv_dtype), v.to(kv_dtype))
         B, Q = meta.batch, meta.max_query
-        flat_tables = meta.block_tables.view(-1)
-        keys = k_cache.index_select(0, flat_tables).view(B, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, flat_tables).view(B, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        keys, values = read_blocks(k_cache, v_cache, meta.block_tables.view(-1), cfg.head_dim)
+        keys = keys.view(B, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        values = values.view(B, -1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
 
         q = q.to(kv_dtype)
         if Q == 1 and B == T:  # pure decode: one query per sequence, already in order
@@ -193,9 +192,9 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta:
         seq_of = meta.query_scatter if meta.max_query == 1 else torch.div(meta.query_scatter, meta.max_query,
                                                                             rounding_mode="floor")
         meta.native = kernels.AttentionStep(positions, meta.slot_mapping, seq_of, meta.block_tables,
-                                            kv_cache.shape[3], model.rope_cos, model.rope_sin, cfg.num_heads,
-                                            cfg.num_kv_heads, cfg.head_dim, x.dtype, kv_cache.dtype,
-                                            1.0 / math.sqrt(cfg.head_dim))
+                                            block_size_of(kv_cache, cfg.head_dim), model.rope_cos, model.rope_sin,
+                                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, x.dtype, kv_cache.dtype,
+                                            1.0 / math.sqrt(cfg.head_dim), paired=kv_cache.dim() == 5)
     else:
         cos = model.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = model.rope_sin.index_select(0, positions).unsqueeze(1)

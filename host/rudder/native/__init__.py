@@ -64,7 +64,7 @@ int64_t rudder_step_call(rudder_step *s, int32_t branch_idx, int32_t backtrack, 
 typedef struct rudder_attn_step {
     int64_t tokens; const int64_t *positions; const int64_t *slots; const int64_t *seq_of; const int64_t *tables;
     int64_t width, block_size; const float *cos, *sin; int64_t heads, kv_heads, head_dim;
-    int32_t x_bf16, cache_bf16, threads; float scale;
+    int32_t x_bf16, cache_bf16, kv_paired, threads; float scale;
 } rudder_attn_step;
 """
 # The model's kernels take tensors' data pointers as integers: uintptr_t is passed exactly like

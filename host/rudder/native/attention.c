@@ -8,13 +8,15 @@
  *      decoding token alone, a verified draft, a prefill chunk of up to 16); the rotated, scaled
  *      queries of the heads that share that KV head attend over positions 0..position of their
  *      sequence, read through the block table in tiles of 16 keys with an online softmax
- *      (running max and sum, rescaled per tile). A group widens each tile once and all its rows
- *      use it (a 9-row verification at 600 tokens of context: attention 0.75x the time of one
- *      item per row). A tile's 16 dot products are summed lane-wise and then reduced together
- *      (a transpose tree), so the scores come out as one vector and exp runs 16 lanes wide.
+ *      (running max and sum, rescaled per tile). A group reads (fp32: widens) each tile once
+ *      and all its rows use it (a 9-row verification at 600 tokens of context: attention 0.75x
+ *      the time of one item per row). A tile's 16 scores come out as one vector, so exp runs 16
+ *      lanes wide: fp32 sums each key's products lane-wise and reduces the 16 sums together (a
+ *      transpose tree); bf16 reads a cache in pairs (engine/kv_cache.py), where one load holds a
+ *      pair of dimensions of all 16 keys, and needs no reduction (TILE_BF, ROW_TILE_BF).
  *      Decoding tokens of sequences whose block tables begin with the same blocks (a prompt
- *      from the prefix cache) form a cascade: the tiles of that shared prefix are widened once
- *      for all of them, then each goes on over its own tiles.
+ *      from the prefix cache) form a cascade: the tiles of that shared prefix are read once for
+ *      all of them, then each goes on over its own tiles.
  * Each query's arithmetic depends only on its own sequence's cache and position - never on the
  * batch, the group or how the items are split over threads - so a token decoded alone and the
  * same token verified among drafted ones get the same result (tests/test_native_attention.py). RoPE uses the same operations in the
@@ -28,7 +30,9 @@
  * fp32 cache holds bf16 values, as a bf16 cache would). Arithmetic: fp32 for an fp32 model; a
  * bf16 model (head_dim a multiple of 32) multiplies bf16 pairs into fp32 sums (vdpbf16ps), its
  * queries and softmax weights rounded to bf16 as its torch path holds them: half the
- * multiply-adds, and no widening of the cache's keys and values.
+ * multiply-adds, and no widening of the cache's keys and values. Its cache is in pairs where the
+ * block size is a multiple of 16 (s->kv_paired; always, from KVCache), else in the standard
+ * layout, whose tiles are gathered into the same form first: the same results either way.
  */
 #include "kernels.h"
 
@@ -67,15 +71,34 @@ static void rope(float *dst, const void *x, int bf16, int64_t at, const float *c
     }
 }
 
+/* Element i of a cache as bf16 bits (an fp32 cache of a bf16 model holds bf16 values: exact), and
+ * elements i, i+1 as a pair. */
+static inline uint32_t half_at(const void *base, int bf16, int64_t i) {
+    return bf16 ? ((const uint16_t *)base)[i] : f32_to_bf16(((const float *)base)[i]);
+}
+static inline uint32_t pair_at(const void *base, int bf16, int64_t i) {
+    return half_at(base, bf16, i) | half_at(base, bf16, i + 1) << 16;
+}
+
 static void write_kv(void *p, int64_t t) {
     const attn_call *call = (const attn_call *)p;
     const rudder_attn_step *s = call->s;
     int64_t d = s->head_dim, h = s->heads, kvh = s->kv_heads, row = (h + 2 * kvh) * d;
-    int64_t pos = s->positions[t], slot = s->slots[t];
+    int64_t pos = s->positions[t], slot = s->slots[t], bs = s->block_size;
     float k[MAX_D];
     for (int64_t g = 0; g < kvh; g++) {
         rope(k, call->qkv, s->x_bf16, t * row + (h + g) * d, s->cos + pos * d, s->sin + pos * d, d);
-        int64_t dst = (slot * kvh + g) * d, src = t * row + (h + kvh + g) * d;
+        int64_t src = t * row + (h + kvh + g) * d;
+        if (s->kv_paired) { /* (bf16 throughout: see TILE_BF for where each element goes) */
+            uint16_t *kc = (uint16_t *)call->k_cache, *vc = (uint16_t *)call->v_cache;
+            int64_t head = (slot / bs * kvh + g) * bs * d, o = slot % bs;
+            for (int64_t i = 0; i < d; i++) {
+                kc[head + (i / 2 * bs + o) * 2 + i % 2] = f32_to_bf16(k[i]);
+                vc[head + (o / 2 * d + i) * 2 + o % 2] = (uint16_t)half_at(call->qkv, 1, src + i);
+            }
+            continue;
+        }
+        int64_t dst = (slot * kvh + g) * d;
         for (int64_t i = 0; i < d; i += 16) {
             /* keys are kept at the activations' precision whatever the cache's type */
             v16f kv = s->x_bf16 ? round16_bf16(load16_f32(k + i)) : load16_f32(k + i);
@@ -107,32 +130,6 @@ static inline v16f exp16_neg(v16f x) {
  * Half the multiply-adds of widening both sides to fp32. */
 typedef uint16_t v32h __attribute__((vector_size(64), aligned(2)));
 
-static inline v16f dot_pairs(v16f acc, v32h a, v32h b) {
-#ifdef __AVX512BF16__
-    __m512 r, ra;
-    __m512bh pa, pb;
-    memcpy(&ra, &acc, 64);
-    memcpy(&pa, &a, 64);
-    memcpy(&pb, &b, 64);
-    r = _mm512_dpbf16_ps(ra, pa, pb);
-    memcpy(&acc, &r, 64);
-    return acc;
-#else
-#pragma clang fp contract(off)
-    v16u ua, ub;
-    memcpy(&ua, &a, 64);
-    memcpy(&ub, &b, 64);
-    v16u ha = ua & 0xffff0000u, hb = ub & 0xffff0000u, la = ua << 16, lb = ub << 16;
-    v16f fha, fhb, fla, flb;
-    memcpy(&fha, &ha, 64);
-    memcpy(&fhb, &hb, 64);
-    memcpy(&fla, &la, 64);
-    memcpy(&flb, &lb, 64);
-    acc = acc + fha * fhb;
-    return acc + fla * flb;
-#endif
-}
-
 /* store16_bf16 in one instruction where the CPU has one (vcvtneps2bf16, which also takes
  * denormal inputs as zero: a machine only ever uses one of the two). */
 static inline void store16_bf16_fast(uint16_t *p, v16f v) {
@@ -146,51 +143,47 @@ static inline void store16_bf16_fast(uint16_t *p, v16f v) {
 #endif
 }
 
-/* 16 bf16 values at element i (an fp32 cache of a bf16 model holds bf16 values: exact). */
-static inline v16h load16h(const void *base, int bf16, int64_t i) {
-    v16h h;
-    if (bf16) {
-        memcpy(&h, (const uint16_t *)base + i, sizeof h);
-    } else {
-        uint16_t t[16];
-        store16_bf16(t, load16_f32((const float *)base + i));
-        memcpy(&h, t, sizeof h);
-    }
-    return h;
-}
-
-static inline v32h cat32h(v16h a, v16h b) {
-    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
-                                   21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-
-/* Element i of a and of b side by side: the pairs of two keys' values, lane i = dimension i. */
-static inline v32h zip32h(v16h a, v16h b) {
-    return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10,
-                                   26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-}
-
-/* 32 bf16 values at element i. */
-static inline v32h load32h(const void *base, int bf16, int64_t i) {
-    v32h r;
-    if (bf16) {
-        memcpy(&r, (const uint16_t *)base + i, 64);
-        return r;
-    }
-    return cat32h(load16h(base, 0, i), load16h(base, 0, i + 16));
-}
-
 static inline v32h at32h(const uint32_t *p) {
     v32h r;
     memcpy(&r, p, 64);
     return r;
 }
 
-static inline v32h broadcast_pair(uint32_t pair) {
-    v16u u = (v16u){0} + pair;
-    v32h h;
-    memcpy(&h, &u, 64);
-    return h;
+/* acc + the pair at *pair (broadcast to every lane) times b's pairs. vdpbf16ps takes the broadcast
+ * from memory itself ({1to16}); the compiler would broadcast into a register first, an operation
+ * that competes with the products (1.34 against 1.01 cycles a product, measured). */
+static inline v16f dot_pair_at(v16f acc, const uint32_t *pair, v32h b) {
+#ifdef __AVX512BF16__
+    __m512 a;
+    __m512bh pb;
+    memcpy(&a, &acc, 64);
+    memcpy(&pb, &b, 64);
+    __asm__("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a) : "m"(*pair), "v"(pb));
+    memcpy(&acc, &a, 64);
+    return acc;
+#else
+#pragma clang fp contract(off)
+    v16u ua = (v16u){0} + *pair, ub;
+    memcpy(&ub, &b, 64);
+    v16u ha = ua & 0xffff0000u, hb = ub & 0xffff0000u, la = ua << 16, lb = ub << 16;
+    v16f fha, fhb, fla, flb;
+    memcpy(&fha, &ha, 64);
+    memcpy(&fhb, &hb, 64);
+    memcpy(&fla, &la, 64);
+    memcpy(&flb, &lb, 64);
+    acc = acc + fha * fhb;
+    return acc + fla * flb;
+#endif
+}
+
+/* dst[0..16): src's first n elements, zeros after (the elements past n are not read). */
+static inline void first16(uint32_t *dst, const uint32_t *src, int n) {
+#ifdef __AVX512F__
+    _mm512_storeu_si512(dst, _mm512_maskz_loadu_epi32((__mmask16)((1u << n) - 1), src));
+#else
+    for (int j = 0; j < TILE; j++)
+        dst[j] = j < n ? src[j] : 0;
+#endif
 }
 
 /* Lane j: `in` where j < n, else `out`. */
@@ -294,60 +287,73 @@ static inline v16f reduce16(const v16f p[16]) {
             vt[j][c] = load16(call->v_cache, cb, at[j] + 16 * c);                                  \
         }
 
-/* The tile at at[] for a bf16 model: keys as they are (pairs of dimensions), values as pairs of
- * keys (dimension i of keys 2p and 2p+1 in lane i of vp[p]). */
-#define LOAD_TILE_BF(D)                                                                            \
-    do {                                                                                           \
-        for (int j = 0; j < TILE; j++)                                                             \
-            for (int c = 0; c < (D) / 32; c++)                                                     \
-                kb[j][c] = load32h(call->k_cache, cb, at[j] + 32 * c);                             \
-        for (int j = 0; j < TILE / 2; j++)                                                         \
-            for (int c = 0; c < (D) / 16; c++)                                                     \
-                vp[j][c] = VALUE_PAIRS(j, c, 0);                                                   \
-    } while (0)
+/* The tile of keys from p0 of `table`'s sequence (its first `count` inside the context) for a bf16
+ * model, as ROW_TILE_BF reads it: kq + p * ks holds pair p (dimensions 2p, 2p+1) of the 16 keys,
+ * vq + j * D the values of keys 2j and 2j+1 paired (lane i: dimension i). A paired cache holds
+ * its whole tiles so (kv_cache.py): they are read in place. A tile cut by the end of the context
+ * is copied with zeros past its end (the cache there may hold anything: never read), and a
+ * standard cache's tiles are gathered into that form. The same numbers reach the arithmetic
+ * either way, so a row's result does not depend on which. In scope: kq, vq, ks, kbuf, vbuf, and
+ * at[] (TILE_AT) for a standard cache. */
+#define TILE_BF(D, table, p0, count)                                                               \
+    if (s->kv_paired) {                                                                            \
+        int64_t head_ = ((table)[(p0) / bs] * kvh + g) * bs * ((D) / 2), o_ = (p0) % bs;           \
+        kq = (const uint32_t *)call->k_cache + head_ + o_;                                         \
+        vq = (const uint32_t *)call->v_cache + head_ + o_ / 2 * (D);                               \
+        ks = bs;                                                                                   \
+        if ((count) < TILE) {                                                                      \
+            for (int p_ = 0; p_ < (D) / 2; p_++)                                                   \
+                first16(kbuf + p_ * TILE, kq + p_ * bs, (count));                                  \
+            for (int j_ = 0; j_ < ((count) + 1) / 2; j_++)                                         \
+                for (int i_ = 0; i_ < (D); i_++) /* (the odd key of the last pair may be past it) */ \
+                    vbuf[j_ * (D) + i_] = vq[j_ * (D) + i_] & (2 * j_ + 1 < (count) ? ~0u : 0xffffu); \
+            kq = kbuf, vq = vbuf, ks = TILE;                                                       \
+        }                                                                                          \
+    } else { /* (at[]: TILE_AT's offsets) */                                                       \
+        for (int j_ = 0; j_ < TILE; j_++)                                                          \
+            for (int p_ = 0; p_ < (D) / 2; p_++)                                                   \
+                kbuf[p_ * TILE + j_] = j_ < (count) ? pair_at(call->k_cache, cb, at[j_] + 2 * p_) : 0; \
+        for (int j_ = 0; j_ < ((count) + 1) / 2; j_++)                                             \
+            for (int i_ = 0; i_ < (D); i_++)                                                       \
+                vbuf[j_ * (D) + i_] = half_at(call->v_cache, cb, at[2 * j_] + i_) |                \
+                    (2 * j_ + 1 < (count) ? half_at(call->v_cache, cb, at[2 * j_ + 1] + i_) << 16 : 0); \
+        kq = kbuf, vq = vbuf, ks = TILE;                                                           \
+    }
 
-/* Key j's dimensions 32c.. as pairs, and the values of keys 2j and 2j+1 paired (see above): from
- * the tile (SH) or straight from the cache (a row alone: copying the tile would cost more). */
-#define KEY_PAIRS(j, c, SH) ((SH) ? kb[j][c] : load32h(call->k_cache, cb, at[j] + 32 * (c)))
-#define VALUE_PAIRS(j, c, SH)                                                                      \
-    ((SH) ? vp[j][c]                                                                               \
-          : zip32h(load16h(call->v_cache, cb, at[2 * (j)] + 16 * (c)),                             \
-                   load16h(call->v_cache, cb, at[2 * (j) + 1] + 16 * (c))))
-
-/* ROW_TILE of a bf16 model (its queries as bf16 pairs at qbi): a key's score is its 16 lane-wise
- * sums of pair products, reduced as ROW_TILE's are. The online softmax keeps its reference max
- * until a score passes it by LAZY_MAX (weights up to e^8, far from fp32's range), so a tile's
- * exps do not wait for its max, and the total is summed lane-wise (lv), reduced once at the end:
- * the chain of dependent operations per tile is what bounded a row's time. The weights are
- * rounded to bf16 (masked keys' to exactly 0) and the total sums them as rounded, so a row's
- * output is a weighted mean of its values. */
+/* ROW_TILE of a bf16 model (its queries as bf16 pairs at qbi) over the tile at kq/vq (TILE_BF): the
+ * 16 keys' scores come out lane-wise, each query pair broadcast against a pair of every key, in
+ * four chains of sums (pairs p = c mod 4) added at the end: products, no reduction across lanes.
+ * The online softmax keeps its reference max until a score passes it by LAZY_MAX (weights up to
+ * e^8, far from fp32's range), so a tile's exps do not wait for its max, and the total is summed
+ * lane-wise (lv), reduced once at the end: the chain of dependent operations per tile is what
+ * bounded a row's time. The weights are rounded to bf16 (masked keys' to exactly 0) and the total
+ * sums them as rounded, so a row's output is a weighted mean of its values. */
 #define LAZY_MAX 8.0f
-#define ROW_TILE_BF(D, REP, SH)                                                                    \
+#define ROW_TILE_BF(D, REP)                                                                        \
     do {                                                                                           \
         v16f valid = lanes_below(n, 0.0f, -1e30f), keep = lanes_below(n, 1.0f, 0.0f);              \
         v16f sc[REP];                                                                              \
         {                                                                                          \
-            v16f part[(REP)][TILE];                                                                \
-            for (int j = 0; j < TILE; j++) {                                                       \
-                v32h kj[(D) / 32];                                                                 \
-                for (int c = 0; c < (D) / 32; c++)                                                 \
-                    kj[c] = KEY_PAIRS(j, c, SH);                                                   \
-                for (int r = 0; r < (REP); r++) {                                                  \
-                    v16f a = (v16f){0};                                                            \
-                    for (int c = 0; c < (D) / 32; c++)                                             \
-                        a = dot_pairs(a, at32h(qbi + r * ((D) / 2) + 16 * c), kj[c]);              \
-                    part[r][j] = a;                                                                \
-                }                                                                                  \
-            }                                                                                      \
+            v16f ch[(REP)][4];                                                                     \
             for (int r = 0; r < (REP); r++)                                                        \
-                sc[r] = reduce16(part[r]);                                                         \
+                for (int c = 0; c < 4; c++)                                                        \
+                    ch[r][c] = (v16f){0};                                                          \
+            for (int p = 0; p < (D) / 2; p += 4)                                                   \
+                _Pragma("clang loop unroll(full)")                                                 \
+                for (int c = 0; c < 4; c++) {                                                      \
+                    v32h kp = at32h(kq + (p + c) * ks);                                            \
+                    _Pragma("clang loop unroll(full)")                                             \
+                    for (int r = 0; r < (REP); r++)                                                \
+                        ch[r][c] = dot_pair_at(ch[r][c], qbi + r * ((D) / 2) + p + c, kp);         \
+                }                                                                                  \
+            for (int r = 0; r < (REP); r++)                                                        \
+                sc[r] = (ch[r][0] + ch[r][1]) + (ch[r][2] + ch[r][3]);                             \
         }                                                                                          \
         uint32_t wp[(REP)][TILE / 2];                                                              \
         for (int r = 0; r < (REP); r++) {                                                          \
             v16f x = sc[r] + valid;                                                                \
-            float top = hmax16(x);                                                                 \
-            if (top > mi[r] + LAZY_MAX) /* (rarely: the exp below need not wait for this) */        \
-                RESCALE_ROW(D, r, top, lv[r]);                                                     \
+            if (__builtin_reduce_or(x > mi[r] + LAZY_MAX)) /* (rarely: the exps need not wait) */  \
+                RESCALE_ROW(D, r, hmax16(x), lv[r]);                                               \
             uint16_t wh[TILE];                                                                     \
             store16_bf16_fast(wh, exp16_neg(x - mi[r]) * keep);                                    \
             lv[r] += load16_bf16(wh);                                                              \
@@ -359,9 +365,9 @@ static inline v16f reduce16(const v16f p[16]) {
         for (int j = 0; j < (n + 1) / 2; j++)                                                      \
             _Pragma("clang loop unroll(full)") /* (the row's sums then stay in registers) */       \
             for (int c = 0; c < (D) / 16; c++) {                                                   \
-                v32h vv = VALUE_PAIRS(j, c, SH);                                                   \
+                v32h vv = at32h(vq + j * (D) + 16 * c);                                            \
                 for (int r = 0; r < (REP); r++)                                                    \
-                    ar[r * ((D) / 16) + c] = dot_pairs(ar[r * ((D) / 16) + c], broadcast_pair(wp[r][j]), vv); \
+                    ar[r * ((D) / 16) + c] = dot_pair_at(ar[r * ((D) / 16) + c], &wp[r][j], vv);   \
             }                                                                                      \
         for (int e = 0; e < (REP) * ((D) / 16); e++)                                               \
             ai[e] = ar[e];                                                                         \
@@ -416,11 +422,11 @@ static inline v16f reduce16(const v16f p[16]) {
 
 /* One (group, KV head) item: the rows of a group are consecutive tokens of one sequence (a
  * drafted continuation, or a chunk of a prefill), so they attend over the same keys: each tile
- * of keys and values is read from the cache once, widened to fp32 (or paired, bf16), and used by
- * every row of the group. A row's arithmetic is exactly what it would be alone (a group of one): the same tiles,
+ * of keys and values is read from the cache once (fp32: widened) and used by every row of the
+ * group. A row's arithmetic is exactly what it would be alone (a group of one): the same tiles,
  * the same sums in the same order. A row whose context ends inside a tile masks the keys past its
- * end, as the last key repeated would be; keys past the end of a row's context add exactly 0
- * (their score is -1e30 whatever the key). D and REP are compile-time constants in the
+ * end; keys past the end of a row's context add exactly 0 (their score is -1e30 whatever the
+ * key, their weight 0). D and REP are compile-time constants in the
  * specialised copies below (a row's accumulators then live in registers), runtime values in the
  * generic one. */
 #define ATTEND_BODY(D, REP, SHARED, BF)                                                            \
@@ -437,7 +443,7 @@ static inline v16f reduce16(const v16f p[16]) {
     v16f acc[(SHARED) ? STATE_VECS : (REP) * ((D) / 16)];                                          \
     v16f kt[(SHARED) && !(BF) ? TILE : 1][(D) / 16], vt[(SHARED) && !(BF) ? TILE : 1][(D) / 16];   \
     uint32_t qb[(BF) ? (SHARED) ? STATE_VECS * 8 : (REP) * ((D) / 2) : 1];                         \
-    v32h kb[(BF) && (SHARED) ? TILE : 1][(BF) ? (D) / 32 : 1], vp[(BF) && (SHARED) ? TILE / 2 : 1][(D) / 16]; \
+    uint32_t kbuf[(BF) ? (D) / 2 * TILE : 1], vbuf[(BF) ? TILE / 2 * (D) : 1];                      \
     float m[(SHARED) ? STATE_ROWS : (REP)], l[(SHARED) ? STATE_ROWS : (REP)];                      \
     v16f lv_all[(BF) ? (SHARED) ? STATE_ROWS : (REP) : 1];                                         \
     for (int64_t i = 0; i < rows; i++)                                                             \
@@ -445,10 +451,13 @@ static inline v16f reduce16(const v16f p[16]) {
     for (int64_t p0 = 0; p0 < ctx_all; p0 += TILE) {                                               \
         int n_all = ctx_all - p0 < TILE ? (int)(ctx_all - p0) : TILE;                              \
         TILE_AT(D, table, p0, n_all);                                                              \
-        if ((SHARED) && (BF))                                                                      \
-            LOAD_TILE_BF(D);                                                                       \
-        else if (SHARED)                                                                           \
+        const uint32_t *kq = kbuf, *vq = vbuf;                                                     \
+        int64_t ks = TILE;                                                                         \
+        if (BF) {                                                                                  \
+            TILE_BF(D, table, p0, n_all);                                                          \
+        } else if (SHARED) {                                                                       \
             LOAD_TILE(D);                                                                          \
+        }                                                                                          \
         /* rows whose context ends before this tile are done: the first row to attend is the   \
            first whose context reaches p0 (row i's context is pos0 + i + 1) */                     \
         for (int64_t i = (SHARED) && p0 > pos0 ? p0 - pos0 : 0; i < rows; i++) {                   \
@@ -459,7 +468,7 @@ static inline v16f reduce16(const v16f p[16]) {
             float *mi = m + i * (REP), *li = l + i * (REP);                                        \
             v16f *lv = lv_all + ((BF) ? i * (REP) : 0);                                            \
             if (BF)                                                                                \
-                ROW_TILE_BF(D, REP, SHARED);                                                       \
+                ROW_TILE_BF(D, REP);                                                               \
             else                                                                                   \
                 ROW_TILE(D, REP, SHARED);                                                          \
         }                                                                                          \
@@ -489,13 +498,13 @@ static inline v16f reduce16(const v16f p[16]) {
     v16f q[(BF) ? 1 : STATE_VECS], acc[STATE_VECS];                                                \
     v16f kt[(BF) ? 1 : TILE][(D) / 16], vt[(BF) ? 1 : TILE][(D) / 16];                             \
     uint32_t qb[(BF) ? STATE_VECS * 8 : 1];                                                        \
-    v32h kb[(BF) ? TILE : 1][(BF) ? (D) / 32 : 1], vp[(BF) ? TILE / 2 : 1][(D) / 16];              \
+    uint32_t kbuf[(BF) ? (D) / 2 * TILE : 1], vbuf[(BF) ? TILE / 2 * (D) : 1];                      \
     float m[STATE_ROWS], l[STATE_ROWS];                                                            \
     v16f lv_all[(BF) ? STATE_ROWS : 1];                                                            \
     for (int64_t i = 0; i < rows; i++)                                                             \
         START_ROW(D, REP, BF, i, tok[i], s->positions[tok[i]]);                                    \
     /* the shared tiles (whole, inside every row's context, read through the first row's table)   \
-       for every row, then each row's own tiles for that row: one tile widened at a time */       \
+       for every row, then each row's own tiles for that row: one tile at a time */              \
     for (int64_t own = -1; own < rows; own++) {                                                    \
         int64_t lead = tok[own < 0 ? 0 : own];                                                     \
         const int64_t *table = s->tables + s->seq_of[lead] * s->width;                             \
@@ -503,17 +512,20 @@ static inline v16f reduce16(const v16f p[16]) {
         for (int64_t p0 = from; p0 < to; p0 += TILE) {                                             \
             int n = to - p0 < TILE ? (int)(to - p0) : TILE;                                        \
             TILE_AT(D, table, p0, n);                                                              \
-            if (BF)                                                                                \
-                LOAD_TILE_BF(D);                                                                   \
-            else                                                                                   \
+            const uint32_t *kq = kbuf, *vq = vbuf;                                                 \
+            int64_t ks = TILE;                                                                     \
+            if (BF) {                                                                              \
+                TILE_BF(D, table, p0, n);                                                          \
+            } else {                                                                               \
                 LOAD_TILE(D);                                                                      \
+            }                                                                                      \
             for (int64_t i = own < 0 ? 0 : own; i < (own < 0 ? rows : own + 1); i++) {             \
                 v16f *qi = q + ((BF) ? 0 : i * (REP) * ((D) / 16)), *ai = acc + i * (REP) * ((D) / 16); \
                 uint32_t *qbi = qb + ((BF) ? i * (REP) * ((D) / 2) : 0);                           \
                 float *mi = m + i * (REP), *li = l + i * (REP);                                    \
                 v16f *lv = lv_all + ((BF) ? i * (REP) : 0);                                        \
                 if (BF)                                                                            \
-                    ROW_TILE_BF(D, REP, 1);                                                        \
+                    ROW_TILE_BF(D, REP);                                                           \
                 else                                                                               \
                     ROW_TILE(D, REP, 1);                                                           \
             }                                                                                      \
@@ -677,6 +689,8 @@ int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, 
     int64_t d = s->head_dim, rep = s->kv_heads > 0 ? s->heads / s->kv_heads : 0;
     if (d % 16 != 0 || d > MAX_D || rep < 1 || rep > MAX_REP || rep * s->kv_heads != s->heads)
         return -1;
+    if (s->kv_paired && !(s->x_bf16 && s->cache_bf16 && d % 32 == 0 && s->block_size % TILE == 0))
+        return -1; /* a paired cache is only made for the bf16 arithmetic (kv_cache.py) */
     int64_t most = STATE_VECS / (rep * (d / 16));
     most = most < MAX_GROUP ? most : MAX_GROUP;
     int64_t *groups = (int64_t *)malloc(6 * (size_t)s->tokens * sizeof(int64_t));

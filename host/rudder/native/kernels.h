@@ -23,7 +23,9 @@ typedef struct rudder_attn_step {
     int64_t width, block_size;
     const float *cos, *sin;   /* [max_position, head_dim] RoPE tables (rotate-half layout) */
     int64_t heads, kv_heads, head_dim;
-    int32_t x_bf16, cache_bf16, threads;
+    int32_t x_bf16, cache_bf16;
+    int32_t kv_paired;        /* the cache's blocks hold K and V in pairs (engine/kv_cache.py) */
+    int32_t threads;
     float scale;
 } rudder_attn_step;
 
