@@ -349,3 +349,17 @@ def test_a_mask_restricts_the_distribution_before_truncation():
     np.testing.assert_allclose(got, truncated(p, [1, 2, 4]), atol=1e-6)
     got = drawn_distribution(SamplingParams(temperature=1.0, min_p=0.2), mask=mask)
     np.testing.assert_allclose(got, truncated(p, [1, 2, 4]), atol=1e-6)
+
+
+def test_sampling_weights_leave_the_logits_as_they_are():
+    """The sampler and speculative verification pass logits rows without copying them (the scaled
+    copy is sampling_weights' own): temperature, top-k, top-p and min-p never write to them."""
+    from rudder.engine.sampler import sampling_weights
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    before = x.clone()
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.1)]
+    weights = sampling_weights(x, params)
+    assert torch.equal(x, before)
+    assert (weights[1] > 0).sum() == 5 and weights[0].sum().item() == pytest.approx(1.0)

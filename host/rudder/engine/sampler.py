@@ -239,7 +239,7 @@ class Sampler:
         return SampleOutput(tokens, [None] * len(tokens))
 
     def _sample_rows(self, logits, rows, params, rngs) -> torch.Tensor:
-        weights = sampling_weights(take_rows(logits, rows, copy=True), [params[i] for i in rows])
+        weights = sampling_weights(take_rows(logits, rows), [params[i] for i in rows])
         cdf = weights.cumsum_(dim=-1)
         u = torch.tensor([draw_uniform(params[i], rngs[i]) for i in rows], dtype=cdf.dtype, device=cdf.device)
         u.mul_(cdf[:, -1])  # scale by the total (float rounding, min_p's zeros) so u never exceeds the last bin
@@ -250,11 +250,11 @@ class Sampler:
 def sampling_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from, as weights proportional to its probabilities: the
     one definition of temperature, top-k, top-p and min-p, for the Sampler and for speculative
-    verification alike. `x`: [rows, V] logits after masks and logit processing (scaled in place);
-    every row's temperature is > 0. A row sums to 1 unless min_p dropped tokens (then to less:
-    divide by the sum for probabilities)."""
+    verification alike. `x`: [rows, V] logits after masks and logit processing, left as they are
+    (the scaled copy is the one pass that also copies); every row's temperature is > 0. A row
+    sums to 1 unless min_p dropped tokens (then to less: divide by the sum for probabilities)."""
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
-    x.div_(temps.unsqueeze(1))
+    x = x / temps.unsqueeze(1)
     for j, p in enumerate(params):
         if 0 < p.top_k < x.shape[1]:
             kth = x[j].topk(p.top_k).values[-1]

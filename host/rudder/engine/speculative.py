@@ -247,7 +247,7 @@ class _Adaptive:
 def _probs(row: torch.Tensor, params) -> torch.Tensor:
     """The probabilities the Sampler draws from for this (already masked) row: its one
     definition (sampler.sampling_weights), normalized."""
-    w = sampling_weights(row.unsqueeze(0).clone(), [params])[0]
+    w = sampling_weights(row.unsqueeze(0), [params])[0]
     return w / w.sum()
 
 
