@@ -363,3 +363,30 @@ def test_sampling_weights_leave_the_logits_as_they_are():
     weights = sampling_weights(x, params)
     assert torch.equal(x, before)
     assert (weights[1] > 0).sum() == 5 and weights[0].sum().item() == pytest.approx(1.0)
+
+
+class _LastDraw:
+    """A generator whose uniform is the largest double below 1: as float32 it rounds to 1.0."""
+
+    def random(self):
+        return 1.0 - 2.0 ** -53
+
+
+def test_a_uniform_that_rounds_to_one_still_draws_an_allowed_token():
+    """Inverse-CDF sampling scales the uniform by the row's total weight; a draw that rounds to
+    1.0 in float32 (about one in 2^25) must still land on a token of positive weight, not on the
+    vocabulary's last one whatever its mask or truncation says - for the sampler and for
+    speculative verification's residual draws alike."""
+    from rudder.engine.speculative import _inverse_cdf
+
+    allowed = np.zeros(V, dtype=bool)
+    allowed[[3, 10, 17]] = True  # the last token is masked out
+    logits = torch.zeros(2, V)
+    logits[1, [5, 6]] = 5.0  # top-k 2 keeps these two
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2)]
+    out = Sampler(V).sample(logits.clone(), params, [_LastDraw(), _LastDraw()],
+                            [mask_from_allowed(allowed), None])
+    assert allowed[out.tokens[0]] and out.tokens[1] in (5, 6)
+    weights = torch.zeros(V)
+    weights[[3, 10, 17]] = 1 / 3
+    assert _inverse_cdf(weights, _LastDraw().random()) in (3, 10, 17)

@@ -240,11 +240,19 @@ class Sampler:
 
     def _sample_rows(self, logits, rows, params, rngs) -> torch.Tensor:
         weights = sampling_weights(take_rows(logits, rows), [params[i] for i in rows])
-        cdf = weights.cumsum_(dim=-1)
-        u = torch.tensor([draw_uniform(params[i], rngs[i]) for i in rows], dtype=cdf.dtype, device=cdf.device)
-        u.mul_(cdf[:, -1])  # scale by the total (float rounding, min_p's zeros) so u never exceeds the last bin
-        picked = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1)
-        return picked.clamp_(max=weights.shape[1] - 1)
+        u = torch.tensor([draw_uniform(params[i], rngs[i]) for i in rows], dtype=weights.dtype, device=weights.device)
+        return inverse_cdf(weights.cumsum_(dim=-1), u)
+
+
+def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's token from its cumulative weights `cdf` [rows, V] and its uniform `u` [rows] in
+    [0, 1): the first token whose cumulative weight passes u times the row's total (the total, not
+    1: float rounding, min_p's zeros). The scaled draw is kept below the total - in float32 a u
+    just under 1 rounds to 1 - so a token of no weight (masked, or cut by top-k, top-p or min-p)
+    is never drawn; a row with no weight at all gives V - 1 (its mask says so to the caller)."""
+    total = cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
 def sampling_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
