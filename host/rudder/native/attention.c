@@ -351,11 +351,12 @@ static inline v16f reduce16(const v16f p[16]) {
         }                                                                                          \
         uint32_t wp[(REP)][TILE / 2];                                                              \
         for (int r = 0; r < (REP); r++) {                                                          \
-            v16f x = sc[r] + valid;                                                                \
+            v16f x = n < TILE ? sc[r] + valid : sc[r]; /* (a whole tile masks nothing) */          \
             if (__builtin_reduce_or(x > mi[r] + LAZY_MAX)) /* (rarely: the exps need not wait) */  \
                 RESCALE_ROW(D, r, hmax16(x), lv[r]);                                               \
             uint16_t wh[TILE];                                                                     \
-            store16_bf16_fast(wh, exp16_neg(x - mi[r]) * keep);                                    \
+            v16f e = exp16_neg(x - mi[r]);                                                         \
+            store16_bf16_fast(wh, n < TILE ? e * keep : e);                                        \
             lv[r] += load16_bf16(wh);                                                              \
             memcpy(wp[r], wh, sizeof wh);                                                          \
         }                                                                                          \
