@@ -253,7 +253,8 @@ def _probs(row: torch.Tensor, params) -> torch.Tensor:
 
 def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
     """The token a uniform draws from a row's weights, by the sampler's rule (sampler.inverse_cdf)."""
-    return int(inverse_cdf(weights.cumsum(0).unsqueeze(0), torch.tensor([u], dtype=weights.dtype))[0])
+    u = torch.tensor([u], dtype=weights.dtype, device=weights.device)  # (a GPU's rows stay there)
+    return int(inverse_cdf(weights.cumsum(0).unsqueeze(0), u)[0])
 
 
 class EngineView(Protocol):
