@@ -6,6 +6,7 @@ it prints a native backtrace on a fatal signal when RUDDER_CRASH_REPORT is set."
 from __future__ import annotations
 
 import os
+import platform
 import re
 import resource
 import signal
@@ -78,6 +79,26 @@ for _ in range(3):  # out of bounds: a SIGSEGV that wasmtime's handler turns int
     except wasmtime.Trap:
         print("trapped", flush=True)
 """
+
+
+@pytest.mark.skipif("platform.machine() not in ('x86_64', 'AMD64')", reason="x86 instruction sets")
+def test_the_kernels_compile_for_other_x86_cpus(tmp_path):
+    """The library is built with -mcpu=native, so each machine compiles only its own branches of
+    the sources' instruction-set #ifdefs: here, for a CPU with AVX-512 but no bf16 (Skylake-X,
+    Cascade Lake: common servers) and one with AVX2 only. A branch that does not compile there
+    would leave such a machine without the native kernels (it would run the torch path, slowly)."""
+    env = dict(os.environ, ZIG_GLOBAL_CACHE_DIR=str(tmp_path), ZIG_LOCAL_CACHE_DIR=str(tmp_path))
+    runs = [(cpu, subprocess.Popen([sys.executable, "-m", "ziglang", "cc", "-O0", f"-mcpu={cpu}", "-fPIC",
+                                    "-Werror=implicit-function-declaration", "-c", str(src), "-o",
+                                    str(tmp_path / f"{cpu}-{src.stem}.o")],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for cpu in ("skylake_avx512", "x86_64_v3") for src in native.SOURCES
+            if re.search(r"__AVX|__AMX", src.read_text())]  # (the sources with such branches)
+    assert len(runs) >= 4
+    for cpu, proc in runs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"-mcpu={cpu}: {out}"
+
 
 
 @pytest.mark.skipif("not sys.platform.startswith('linux') or native.library() is None", reason="Linux, native library")

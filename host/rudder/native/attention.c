@@ -38,7 +38,7 @@
 
 #include <stdlib.h>
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
