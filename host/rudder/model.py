@@ -33,7 +33,7 @@ from torch import nn
 
 from . import kernels
 from .config import ModelConfig
-from .engine.kv_cache import block_size_of, read_blocks, write_slots
+from .engine.kv_cache import block_size_of, is_paired, read_blocks, write_slots
 from .packed_linear import Bf16Linear, Int8Linear, Linear, prepare_linears
 from .precision import activation_dtype, resolve
 
@@ -194,7 +194,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, meta:
         meta.native = kernels.AttentionStep(positions, meta.slot_mapping, seq_of, meta.block_tables,
                                             block_size_of(kv_cache, cfg.head_dim), model.rope_cos, model.rope_sin,
                                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, x.dtype, kv_cache.dtype,
-                                            1.0 / math.sqrt(cfg.head_dim), paired=kv_cache.dim() == 5)
+                                            1.0 / math.sqrt(cfg.head_dim), paired=is_paired(kv_cache[0, 0]))
     else:
         cos = model.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = model.rope_sin.index_select(0, positions).unsqueeze(1)

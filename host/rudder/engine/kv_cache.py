@@ -41,12 +41,15 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         layers = cfg.num_layers if num_layers is None else num_layers
-        self.paired = paired_layout(cfg, block_size, dtype, device)
-        if self.paired:
+        if paired_layout(cfg, block_size, dtype, device):
             shape = (layers, 2, num_blocks, cfg.num_kv_heads, block_size * cfg.head_dim)
         else:
             shape = (layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.tensor = _zeros(shape, dtype, torch.device(device))
+
+    @property
+    def paired(self) -> bool:
+        return is_paired(self.tensor[0, 0])
 
     @property
     def device(self) -> torch.device:
