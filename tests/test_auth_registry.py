@@ -234,9 +234,15 @@ def _uploads_killed_at_random(store: list[str], seed: int, kills: int, first: in
                         return  # the server is gone
 
         threads = [threading.Thread(target=upload_loop) for _ in range(2)]
+        acked = len(seen["modules"])
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.05, 0.6))
+        # the random moment counts from the round's first acknowledged upload: how soon that comes
+        # depends on the machine (a fixed window from the start let 5 of 20 rounds through on one)
+        deadline = time.monotonic() + 30
+        while len(seen["modules"]) == acked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.5))
         server.kill()
         stop.set()
         for t in threads:

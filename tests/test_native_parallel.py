@@ -356,7 +356,8 @@ def _decoder_threads(monkeypatch, engine_options: dict, busy_controllers: bool) 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     engine = Engine(model, tok, **engine_options)
     engine.calls.demand = (lambda: 1.0) if busy_controllers else (lambda: 0.0)
-    engine.add_request("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    # a prompt of 16 tokens or more: with AMX, calls of fewer rows always run on one thread
+    engine.add_request("hello " * 20, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     try:
         while engine.has_unfinished():
             engine.step()
@@ -366,7 +367,7 @@ def _decoder_threads(monkeypatch, engine_options: dict, busy_controllers: bool) 
 
 
 def test_model_threads_caps_the_decoder(monkeypatch):
-    assert _decoder_threads(monkeypatch, {}, False)[0] == {2}
+    assert max(_decoder_threads(monkeypatch, {}, False)[0]) == 2
     assert _decoder_threads(monkeypatch, {"model_threads": 1}, False)[0] == {1}
     # "shared" (rudder serve's default): one core kept for controllers, whatever they do
     assert _decoder_threads(monkeypatch, {"model_threads": "shared"}, False)[0] == {1}

@@ -392,6 +392,21 @@ def test_sigkill_during_uploads_loses_nothing_on_postgres(pg_cluster):
         store.close()
 
 
+def steady_spin(c: httpx.Client, ms: float) -> str:
+    """The "steady" controller's argument for a spin of about `ms` of CPU time a step on this host
+    (a fixed count took 11 ms on one machine and 27 ms, past the 25 ms deadline, on another): a
+    short run's controller time per call scales a count. Its four bytes (little-endian) stay
+    below 0x80, so the JSON string carries them as they are."""
+    probe = 1 << 22
+    r = c.post("/v1/run", json={**RUN, "controller": "steady", "controller_arg": probe.to_bytes(4, "little").decode()})
+    assert r.status_code == 200, r.text
+    per_call = r.json()["timings"]["controller_ms"] / (RUN["max_tokens"] + 1)
+    want = int(probe * ms / max(per_call, 1e-3))
+    high = min(want >> 24, 0x7F)
+    count = (high << 24) | min((want - (high << 24)) >> 16, 0x7F) << 16
+    return max(count, 1 << 16).to_bytes(4, "little").decode()
+
+
 @SERVERS
 def test_postgres_restart_under_load(pg_cluster):
     """PostgreSQL stops while a request streams and uploads go on: registry calls answer 503
@@ -404,6 +419,7 @@ def test_postgres_restart_under_load(pg_cluster):
         # The running request's controller spins for as long as its argument says, every step.
         mid = c.post("/v1/controllers", content=bytes(wasm_of(busy_wat()))).json()["module_id"]
         assert c.post("/v1/controllers/tags", json={"tag": "steady", "module_id": mid}).status_code == 200
+        spin = steady_spin(c, ms=10)
 
         def uploads():
             with httpx.Client(base_url=server.url, timeout=60) as u:
@@ -424,8 +440,8 @@ def test_postgres_restart_under_load(pg_cluster):
         first_503 = None
         # The stream is read as it comes until the registry is back, then closed: it must outlast
         # the outage, whose length varies with the machine's load, so it asks for about all the
-        # tokens the model's context holds (each step spins the controller for ~11 ms).
-        with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": "\0\0\x70\x01",
+        # tokens the model's context holds (each step spins the controller for ~10 ms).
+        with c.stream("POST", "/v1/run", json={"controller": "steady", "controller_arg": spin,
                                                 "prompt": "x", "max_tokens": 2000, "ignore_eos": True}) as stream:
             assert stream.status_code == 200, stream.read()
             events = sse_events(stream)
