@@ -33,7 +33,10 @@ the llama-cpp-python 0.3.36 sdist (about 20 minutes on 2 cores, needs cmake and 
     cmake --build /tmp/llama/build --target llama-server -j 2    # -> /tmp/llama/build/bin/llama-server
 
 It serves the SmolLM2 GGUF that rudder's weights were converted from, as a CPU user would run
-it: `llama-server -m X.gguf -np N -c N*2048 -t 2 --no-webui` (N = the load's streams).
+it: `llama-server -m X.gguf -np N -c N*2048 -t 2 --no-webui` (N = the load's streams). On a CPU
+with AMX it also gets `--no-repack`: that build's AMX weight repacking dies at start there (a
+general protection fault in libggml-cpu, 2026-12-01), so it runs its AVX-512 kernels, as
+decode.py's llama.cpp does.
 """
 
 from __future__ import annotations
@@ -175,6 +178,10 @@ def start_llama(binary: Path, gguf: Path, streams: int) -> Server:
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
     cmd = [str(binary), "-m", str(gguf), "-np", str(streams), "-c", str(streams * 2048), "-t", "2", "--no-webui",
            "--host", "127.0.0.1", "--port", str(port)]
+    from rudder.precision import cpu_flags
+
+    if "amx_tile" in cpu_flags():  # its AMX repacking segfaults at start on our AMX host (module docstring)
+        cmd.append("--no-repack")
     return Server("llama-server", cmd, port, "/health", env).wait_ready()
 
 
