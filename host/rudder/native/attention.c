@@ -49,8 +49,9 @@ typedef struct {
     int64_t cascades;                        /* the first `cascades` units are cascades, then the groups */
     const int64_t *group_first, *group_rows; /* per group: its first token, its number of rows */
     /* per cascade: where its rows' tokens start in cascade_tokens, its number of rows, and the
-       end of the prefix (a multiple of TILE) whose blocks every row's table shares */
+       end of the prefix (a multiple of TILE; of the AMX path's runs there) whose blocks every row's table shares */
     const int64_t *cascade_first, *cascade_rows, *cascade_shared, *cascade_tokens;
+    int *failed; /* set by an item that found no memory (the AMX path's state) */
 } attn_call;
 
 #define TILE 16
@@ -609,8 +610,9 @@ static int64_t make_groups(const rudder_attn_step *s, int64_t most, int64_t *fir
 #define MIN_SHARED_TILES 4
 static int64_t cascade_rows_seen; /* rows attended in cascades (rudder_attention_cascade_rows) */
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-static int64_t make_cascades(const rudder_attn_step *s, int64_t most, int64_t *n_groups, int64_t *group_first,
-                             int64_t *group_rows, int64_t *order, int64_t *first, int64_t *rows, int64_t *shared) {
+static int64_t make_cascades(const rudder_attn_step *s, int64_t most, int64_t quantum, int64_t *n_groups,
+                             int64_t *group_first, int64_t *group_rows, int64_t *order, int64_t *first, int64_t *rows,
+                             int64_t *shared) {
 #define TABLE(grp) (s->tables + s->seq_of[group_first[grp]] * s->width)
 #define CTX(grp) (s->positions[group_first[grp]] + 1)
     int64_t n = 0, ones = 0;
@@ -641,7 +643,7 @@ static int64_t make_cascades(const rudder_attn_step *s, int64_t most, int64_t *n
                 order[kept + j - at] = order[j];
             first[n] = kept;
             rows[n] = end - at;
-            shared[n++] = min64(blocks * s->block_size, ctx) / TILE * TILE;
+            shared[n++] = min64(blocks * s->block_size, ctx) / quantum * quantum;
             kept += end - at;
         }
         at = end;
@@ -685,6 +687,336 @@ static int64_t make_cascades(const rudder_attn_step *s, int64_t most, int64_t *n
     return n;
 }
 
+/* ---- AMX: a bf16 model's products on tiles ---------------------------------------------------
+ * Where the CPU has AMX and the OS grants its tiles (linear.c asks), a bf16 model's attention
+ * computes on them: up to 16 query vectors (rows of a unit times the heads of one KV head) meet a
+ * tile of 16 keys in one tdpbf16ps per 32 dimensions, and their weights meet the tile's values in
+ * one per 16 dimensions. Keys come in runs of up to RUN tiles, aligned to multiples of RUN * TILE
+ * positions: the run's scores first, then each query's softmax over them (its reference max
+ * checked once per run, weights rounded to bf16 and summed lane-wise, as ROW_TILE_BF's), then the
+ * weighted values: one dependent chain of tile operations per run instead of per tile. On such a
+ * host the vector path's vdpbf16ps were the slow part of a step (benchmarks/RESULTS.md,
+ * attention.py). A tile's rows never mix, and every row - alone, in a group or in a cascade (whose
+ * shared prefix then ends on a run) - meets the same runs with the same operations, so a row's
+ * result still never depends on its unit. The tiles round their sums otherwise than vdpbf16ps: a
+ * host takes one path or the other, never both. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define ATTN_AMX 1
+#define RUN 4
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+/* The tiles: scores S0..S3 = Q K (16 queries x 16 keys each; S0 then holds sums O, 16 queries x
+ * 16 dimensions), queries Q (32 dimensions), keys K (16 pairs of dimensions x 16 keys), weights P
+ * (16 queries x 8 pairs of keys), values V (8 pairs of keys x 16 dimensions). */
+enum { T_S = 0, T_O = 0, T_Q = 4, T_K = 5, T_P = 6, T_V = 7 };
+
+static void attention_tiles_on(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t == T_V ? 8 : 16;
+        c.colsb[t] = t == T_P ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* A unit's queries in chunks of 16 slots: a chunk holds `per_chunk` rows, a row its `rep` heads'
+ * queries in consecutive slots (the slots past the last row's are zeros nobody reads). */
+typedef struct {
+    int64_t d, rep, per_chunk, rows;
+    uint16_t *q;             /* [chunk][16][d]: the queries, rotated, scaled, rounded to bf16 */
+    float *o;                /* [chunk][16][d]: the weighted values */
+    float m[MAX_GROUP * 16]; /* each query's reference max */
+    v16f lv[MAX_GROUP * 16]; /* each query's total, lane-wise */
+} amx_unit;
+
+/* A run of tiles of keys in TILE_BF's form (keys kq with pair stride ks, values vq). */
+typedef struct {
+    int tiles;
+    const uint32_t *kq[RUN], *vq[RUN];
+    int64_t ks[RUN];
+    uint32_t kbuf[RUN][MAX_D / 2 * TILE], vbuf[RUN][TILE / 2 * MAX_D];
+} amx_run;
+
+static int64_t slot_of(const amx_unit *u, int64_t i, int64_t r) {
+    return i / u->per_chunk * 16 + i % u->per_chunk * u->rep + r;
+}
+
+/* A unit's state in `stack` where it fits (most units: a row or a few), else on the heap. */
+#define AMX_STACK_FLOATS (64 * 128)
+static int amx_unit_new(amx_unit *u, const rudder_attn_step *s, int64_t rows, float *stack) {
+    int64_t d = s->head_dim, rep = s->heads / s->kv_heads, per = 16 / rep, slots = (rows + per - 1) / per * 16;
+    u->d = d, u->rep = rep, u->per_chunk = per, u->rows = rows, u->q = 0, u->o = 0;
+    if (slots * d <= AMX_STACK_FLOATS / 2 * 1) { /* q (bf16) and o (fp32) in the stack's floats */
+        u->o = stack;
+        u->q = (uint16_t *)(stack + slots * d);
+    } else {
+        u->q = (uint16_t *)aligned_alloc(64, (size_t)(slots * d * 2 + 63) / 64 * 64);
+        u->o = (float *)aligned_alloc(64, (size_t)(slots * d * 4));
+        if (u->q == 0 || u->o == 0)
+            return -1;
+    }
+    memset(u->q, 0, (size_t)(slots * d * 2));
+    memset(u->o, 0, (size_t)(slots * d * 4));
+    for (int64_t i = 0; i < slots; i++) {
+        u->m[i] = -1e30f;
+        u->lv[i] = (v16f){0};
+    }
+    return 0;
+}
+
+static void amx_unit_free(amx_unit *u, const float *stack) {
+    if (u->o != stack) {
+        free(u->q);
+        free(u->o);
+    }
+}
+
+/* Row i of the unit is token t at `pos`: its queries for KV head g, as START_ROW's bf16 ones. */
+static void amx_start(amx_unit *u, const attn_call *call, int64_t g, int64_t i, int64_t t, int64_t pos) {
+    const rudder_attn_step *s = call->s;
+    int64_t d = u->d, row = (s->heads + 2 * s->kv_heads) * d;
+    float qf[MAX_D];
+    for (int64_t r = 0; r < u->rep; r++) {
+        rope(qf, call->qkv, s->x_bf16, t * row + (g * u->rep + r) * d, s->cos + pos * d, s->sin + pos * d, d);
+        for (int64_t c = 0; c < d / 16; c++)
+            store16_bf16(u->q + slot_of(u, i, r) * d + 16 * c, load16_f32(qf + 16 * c) * s->scale);
+    }
+}
+
+/* Row i's sums over its total, into the output (END_ROW). */
+static void amx_end(const amx_unit *u, const attn_call *call, int64_t g, int64_t i, int64_t t) {
+    const rudder_attn_step *s = call->s;
+    int64_t d = u->d;
+    for (int64_t r = 0; r < u->rep; r++) {
+        int64_t sl = slot_of(u, i, r);
+        float total = hsum16(u->lv[sl]);
+        for (int64_t c = 0; c < d / 16; c++)
+            store16(call->out, s->x_bf16, t * s->heads * d + (g * u->rep + r) * d + 16 * c,
+                    load16_f32(u->o + sl * d + 16 * c) * (1.0f / total));
+    }
+}
+
+/* Tiles of keys from p0 (at most `tiles`, up to `to`) of `table`'s sequence into the run. */
+static void amx_load_run(amx_run *run, const attn_call *call, int64_t g, const int64_t *table, int64_t p0,
+                         int64_t to) {
+    const rudder_attn_step *s = call->s;
+    int64_t d = s->head_dim, kvh = s->kv_heads, bs = s->block_size;
+    int cb = s->cache_bf16;
+    run->tiles = 0;
+    for (int64_t t0 = p0; t0 < to && run->tiles < RUN; t0 += TILE) {
+        int n = to - t0 < TILE ? (int)(to - t0) : TILE, t = run->tiles++;
+        uint32_t *kbuf = run->kbuf[t], *vbuf = run->vbuf[t];
+        TILE_AT(d, table, t0, n);
+        const uint32_t *kq = kbuf, *vq = vbuf;
+        int64_t ks = TILE;
+        TILE_BF(d, table, t0, n);
+        if (vq == vbuf) /* TILE_BF fills the pairs of values it holds; the tiles read all 8 (weight 0
+                           past the end, but 0 times a stale NaN is NaN) */
+            memset(vbuf + (n + 1) / 2 * d, 0, (size_t)(TILE / 2 - (n + 1) / 2) * (size_t)d * 4);
+        run->kq[t] = kq, run->vq[t] = vq, run->ks[t] = ks;
+    }
+}
+
+/* The run's tiles for rows [lo, hi) of the unit, row i attending the first n[i - lo] keys of the
+ * run (none where n <= 0). */
+static void amx_attend_run(amx_unit *u, int64_t lo, int64_t hi, const int *n, const amx_run *run) {
+    int64_t d = u->d, rep = u->rep, per = u->per_chunk;
+    float sc[RUN][16][16] __attribute__((aligned(64)));
+    uint16_t w[RUN][16][16] __attribute__((aligned(64)));
+    for (int64_t c0 = lo / per * per; c0 < hi; c0 += per) {
+        int64_t a = c0 > lo ? c0 : lo, b = c0 + per < hi ? c0 + per : hi, end = c0 + per < u->rows ? c0 + per : u->rows;
+        const uint16_t *qc = u->q + c0 / per * 16 * d;
+        float *oc = u->o + c0 / per * 16 * d;
+        int tiles = run->tiles;
+        /* the scores: S_t = Q K_t (the tile register numbers must be constants) */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < d / 32; c++) {
+            _tile_loadd(T_Q, qc + 32 * c, d * 2);
+#define SCORES(T)                                                                                  \
+    if (tiles > T) {                                                                               \
+        _tile_loadd(T_K, run->kq[T] + 16 * c * run->ks[T], run->ks[T] * 4);                        \
+        _tile_dpbf16ps(T, T_Q, T_K);                                                               \
+    }
+            SCORES(0) SCORES(1) SCORES(2) SCORES(3)
+#undef SCORES
+        }
+        _tile_stored(0, sc[0], 64);
+        if (tiles > 1)
+            _tile_stored(1, sc[1], 64);
+        if (tiles > 2)
+            _tile_stored(2, sc[2], 64);
+        if (tiles > 3)
+            _tile_stored(3, sc[3], 64);
+        /* each query's softmax over the run */
+        memset(w, 0, (size_t)tiles * sizeof w[0]);
+        int every = a == c0 && b == end; /* every row of the chunk attends the run */
+        for (int64_t i = a; i < b; i++) {
+            int ni = n[i - lo];
+            if (ni <= 0) {
+                every = 0;
+                continue;
+            }
+            int in = (ni + TILE - 1) / TILE; /* the tiles it attends */
+            for (int64_t r = 0; r < rep; r++) {
+                int64_t sl = (i - c0) * rep + r, at = c0 / per * 16 + sl;
+                v16f x[RUN];
+                int over = 0;
+                for (int t = 0; t < in; t++) {
+                    int nt = ni - t * TILE < TILE ? ni - t * TILE : TILE;
+                    x[t] = nt < TILE ? load16_f32(sc[t][sl]) + lanes_below(nt, 0.0f, -1e30f) : load16_f32(sc[t][sl]);
+                    over |= __builtin_reduce_or(x[t] > u->m[at] + LAZY_MAX);
+                }
+                if (over) { /* RESCALE_ROW, to the run's max */
+                    v16f top16 = x[0];
+                    for (int t = 1; t < in; t++)
+                        top16 = __builtin_elementwise_max(top16, x[t]);
+                    float top = hmax16(top16), corr = exp16_neg((v16f){0} + (u->m[at] - top))[0];
+                    u->lv[at] *= corr;
+                    for (int64_t c = 0; c < d / 16; c++)
+                        store16_f32(oc + sl * d + 16 * c, load16_f32(oc + sl * d + 16 * c) * corr);
+                    u->m[at] = top;
+                }
+                for (int t = 0; t < in; t++) {
+                    int nt = ni - t * TILE < TILE ? ni - t * TILE : TILE;
+                    v16f e = exp16_neg(x[t] - u->m[at]);
+                    store16_bf16_fast(w[t][sl], nt < TILE ? e * lanes_below(nt, 1.0f, 0.0f) : e);
+                    u->lv[at] += load16_bf16(w[t][sl]);
+                }
+            }
+        }
+        /* the weighted values: O += P_t V_t, in the order of the tiles; with 64 dimensions the
+           four tiles of O stay in registers over the run (each P_t is loaded once) */
+        if (d == 64 && every) {
+            _tile_loadd(0, oc, d * 4);
+            _tile_loadd(1, oc + 16, d * 4);
+            _tile_loadd(2, oc + 32, d * 4);
+            _tile_loadd(3, oc + 48, d * 4);
+            for (int t = 0; t < tiles; t++) {
+                _tile_loadd(T_P, w[t], 32);
+#define VALUES(T)                                                                                  \
+    _tile_loadd(T_V, run->vq[t] + 16 * T, d * 4);                                                  \
+    _tile_dpbf16ps(T, T_P, T_V);
+                VALUES(0) VALUES(1) VALUES(2) VALUES(3)
+#undef VALUES
+            }
+            _tile_stored(0, oc, d * 4);
+            _tile_stored(1, oc + 16, d * 4);
+            _tile_stored(2, oc + 32, d * 4);
+            _tile_stored(3, oc + 48, d * 4);
+            continue;
+        }
+        for (int64_t c = 0; c < d / 16; c++) {
+            _tile_loadd(T_O, oc + 16 * c, d * 4);
+            for (int t = 0; t < tiles; t++) {
+                _tile_loadd(T_P, w[t], 32);
+                _tile_loadd(T_V, run->vq[t] + 16 * c, d * 4);
+                _tile_dpbf16ps(T_O, T_P, T_V);
+            }
+            if (every) {
+                _tile_stored(T_O, oc + 16 * c, d * 4);
+                continue;
+            }
+            _tile_stored(T_O, sc[0], 64); /* (the scores are used) only the rows that attended take it */
+            for (int64_t i = a; i < b; i++)
+                if (n[i - lo] > 0)
+                    for (int64_t r = 0; r < rep; r++)
+                        memcpy(oc + ((i - c0) * rep + r) * d + 16 * c, sc[0][(i - c0) * rep + r], 64);
+        }
+    }
+}
+
+/* A group (or a row alone): ATTEND_BODY's keys, in runs. */
+static int amx_group(const attn_call *call, int64_t g, int64_t t0, int64_t rows, amx_run *run) {
+    const rudder_attn_step *s = call->s;
+    int64_t pos0 = s->positions[t0], ctx_all = pos0 + rows;
+    const int64_t *table = s->tables + s->seq_of[t0] * s->width;
+    amx_unit u;
+    float stack[AMX_STACK_FLOATS] __attribute__((aligned(64)));
+    if (amx_unit_new(&u, s, rows, stack)) {
+        amx_unit_free(&u, stack);
+        return -1;
+    }
+    for (int64_t i = 0; i < rows; i++)
+        amx_start(&u, call, g, i, t0 + i, pos0 + i);
+    for (int64_t p0 = 0; p0 < ctx_all; p0 += RUN * TILE) {
+        amx_load_run(run, call, g, table, p0, ctx_all);
+        int64_t first = p0 > pos0 ? p0 - pos0 : 0; /* rows whose context ends before p0 are done */
+        int n[MAX_GROUP];
+        for (int64_t i = first; i < rows; i++) {
+            int64_t left = pos0 + i + 1 - p0;
+            n[i - first] = left < RUN * TILE ? (int)left : RUN * TILE;
+        }
+        amx_attend_run(&u, first, rows, n, run);
+    }
+    for (int64_t i = 0; i < rows; i++)
+        amx_end(&u, call, g, i, t0 + i);
+    amx_unit_free(&u, stack);
+    return 0;
+}
+
+/* A cascade: CASCADE_BODY's keys, in runs - the shared ones for every row at once. */
+static int amx_cascade(const attn_call *call, int64_t g, int64_t unit, amx_run *run) {
+    const rudder_attn_step *s = call->s;
+    int64_t rows = call->cascade_rows[unit], shared = call->cascade_shared[unit];
+    const int64_t *tok = call->cascade_tokens + call->cascade_first[unit];
+    amx_unit u;
+    float stack[AMX_STACK_FLOATS] __attribute__((aligned(64)));
+    if (amx_unit_new(&u, s, rows, stack)) {
+        amx_unit_free(&u, stack);
+        return -1;
+    }
+    for (int64_t i = 0; i < rows; i++)
+        amx_start(&u, call, g, i, tok[i], s->positions[tok[i]]);
+    int whole[MAX_GROUP];
+    for (int64_t i = 0; i < rows; i++)
+        whole[i] = RUN * TILE;
+    for (int64_t own = -1; own < rows; own++) {
+        int64_t lead = tok[own < 0 ? 0 : own];
+        const int64_t *table = s->tables + s->seq_of[lead] * s->width;
+        int64_t from = own < 0 ? 0 : shared, to = own < 0 ? shared : s->positions[lead] + 1;
+        for (int64_t p0 = from; p0 < to; p0 += RUN * TILE) {
+            amx_load_run(run, call, g, table, p0, to);
+            int n = to - p0 < RUN * TILE ? (int)(to - p0) : RUN * TILE;
+            if (own < 0)
+                amx_attend_run(&u, 0, rows, whole, run);
+            else
+                amx_attend_run(&u, own, own + 1, &n, run);
+        }
+    }
+    for (int64_t i = 0; i < rows; i++)
+        amx_end(&u, call, g, i, tok[i]);
+    amx_unit_free(&u, stack);
+    return 0;
+}
+
+static void attend_amx(void *p, int64_t item) {
+    const attn_call *call = (const attn_call *)p;
+    int64_t kvh = call->s->kv_heads, g = item % kvh, unit = item / kvh;
+    amx_run *run = (amx_run *)aligned_alloc(64, sizeof(amx_run));
+    int rc = -1;
+    if (run != 0) {
+        attention_tiles_on();
+        rc = unit < call->cascades ? amx_cascade(call, g, unit, run)
+                                   : amx_group(call, g, call->group_first[unit - call->cascades],
+                                               call->group_rows[unit - call->cascades], run);
+        _tile_release();
+        free(run);
+    }
+    if (rc) /* (no memory for a unit's state: rudder_attention returns -2) */
+        __atomic_store_n(call->failed, 1, __ATOMIC_RELAXED);
+}
+#endif
+
 /* 0 on success; -1 for a shape the kernel does not take (the caller checks first). */
 int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, void *v_cache, void *out) {
     int64_t d = s->head_dim, rep = s->kv_heads > 0 ? s->heads / s->kv_heads : 0;
@@ -708,17 +1040,26 @@ int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, 
         n = make_groups(s, (longest + 1) / 2, groups, groups + s->tokens);
     }
     int specialised;
+    int64_t quantum = TILE; /* a cascade's shared prefix ends on a multiple of it */
     rudder_chunk_fn fn = pick(d, rep, s->x_bf16, &specialised);
+#ifdef ATTN_AMX
+    if (s->x_bf16 && d % 32 == 0 && rudder_amx_on()) {
+        fn = attend_amx;
+        specialised = 1;
+        quantum = RUN * TILE;
+    }
+#endif
     int64_t *cascades = groups + 2 * s->tokens, nc = 0; /* tokens, then per cascade first/rows/shared */
     if (specialised && n > 1)
-        nc = make_cascades(s, most, &n, groups, groups + s->tokens, cascades, cascades + s->tokens,
+        nc = make_cascades(s, most, quantum, &n, groups, groups + s->tokens, cascades, cascades + s->tokens,
                            cascades + 2 * s->tokens, cascades + 3 * s->tokens);
+    int failed = 0;
     attn_call call = {s, qkv, k_cache, v_cache, out, nc, groups, groups + s->tokens, cascades + s->tokens,
-                      cascades + 2 * s->tokens, cascades + 3 * s->tokens, cascades};
+                      cascades + 2 * s->tokens, cascades + 3 * s->tokens, cascades, &failed};
     rudder_parallel_for(write_kv, &call, s->tokens, s->tokens >= 16 ? s->threads : 1);
     rudder_parallel_for(fn, &call, (nc + n) * s->kv_heads, s->threads);
     free(groups);
-    return 0;
+    return failed ? -2 : 0;
 }
 
 /* Rows attended in cascades so far, over all calls (tests and benchmarks read it). */

@@ -29,6 +29,7 @@ typedef struct rudder_attn_step {
     float scale;
 } rudder_attn_step;
 
+int rudder_amx_on(void); /* linear.c: AMX's tile state granted (rudder_linear_init) */
 int rudder_attention(const rudder_attn_step *s, const void *qkv, void *k_cache, void *v_cache, void *out);
 int64_t rudder_attention_cascade_rows(void);
 void rudder_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,

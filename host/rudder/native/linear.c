@@ -72,6 +72,9 @@ int rudder_linear_init(void) {
     return amx_usable;
 }
 
+/* Whether rudder_linear_init got AMX's tile state (attention.c takes its tiles path then). */
+int rudder_amx_on(void) { return amx_usable; }
+
 /* exp(x) over the whole float range (clamped), 16 lanes: the SwiGLU epilogue's sigmoid. */
 static inline v16f exp16(v16f x) {
     x = __builtin_elementwise_min(__builtin_elementwise_max(x, (v16f){0} - 87.0f), (v16f){0} + 88.0f);
