@@ -44,6 +44,26 @@ def test_a_row_does_not_depend_on_its_batch():
         assert torch.equal(layer(x[i:i + 5])[0], full[i])
 
 
+@pytest.mark.parametrize("kind", [Bf16Linear, Int8Linear])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_a_native_row_does_not_depend_on_its_batch(kind, swiglu):
+    """70 rows (with AMX: pairs of 16-row tiles, then a tile alone; without: passes of a few rows)
+    against each row alone and in other slices, bit for bit, for the plain product, the SwiGLU
+    epilogue and the residual add."""
+    gen = torch.Generator().manual_seed(2)
+    layer = kind(torch.randn(200, 96, generator=gen) / 10, swiglu=swiglu)
+    x = torch.randn(70, 96, generator=gen).to(torch.bfloat16)
+    run = layer.swiglu if swiglu else layer
+    full = run(x)
+    for i, n in ((0, 1), (17, 1), (33, 1), (69, 1), (5, 40), (30, 33)):
+        assert torch.equal(run(x[i:i + n]), full[i:i + n]), (i, n)
+    if not swiglu:
+        base = torch.randn(70, 200, generator=gen).to(torch.bfloat16)
+        added = layer.add_into(x, base.clone())
+        for i in (0, 40, 69):
+            assert torch.equal(layer.add_into(x[i:i + 1], base[i:i + 1].clone()), added[i:i + 1])
+
+
 def _forward(model, cfg):
     arrays = StepArrays(np.array([5]), np.array([0]), np.arange(5), np.array([[0, 1]]), np.array([4]),
                         np.array([3, 1, 4, 1, 5]))
