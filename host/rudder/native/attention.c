@@ -1002,16 +1002,12 @@ static int amx_cascade(const attn_call *call, int64_t g, int64_t unit, amx_run *
 static void attend_amx(void *p, int64_t item) {
     const attn_call *call = (const attn_call *)p;
     int64_t kvh = call->s->kv_heads, g = item % kvh, unit = item / kvh;
-    amx_run *run = (amx_run *)aligned_alloc(64, sizeof(amx_run));
-    int rc = -1;
-    if (run != 0) {
-        attention_tiles_on();
-        rc = unit < call->cascades ? amx_cascade(call, g, unit, run)
+    amx_run run __attribute__((aligned(64))); /* (64 KiB: the pool's threads have 1 MiB stacks) */
+    attention_tiles_on();
+    int rc = unit < call->cascades ? amx_cascade(call, g, unit, &run)
                                    : amx_group(call, g, call->group_first[unit - call->cascades],
-                                               call->group_rows[unit - call->cascades], run);
-        _tile_release();
-        free(run);
-    }
+                                               call->group_rows[unit - call->cascades], &run);
+    _tile_release();
     if (rc) /* (no memory for a unit's state: rudder_attention returns -2) */
         __atomic_store_n(call->failed, 1, __ATOMIC_RELAXED);
 }
