@@ -935,19 +935,12 @@ static void amx_attend_run(amx_unit *u, int64_t lo, int64_t hi, const int *n, co
     }
 }
 
-/* A group (or a row alone): ATTEND_BODY's keys, in runs. */
-static int amx_group(const attn_call *call, int64_t g, int64_t t0, int64_t rows, amx_run *run) {
+/* A group's keys (or a row's alone): ATTEND_BODY's tiles, in runs, for its rows (consecutive
+ * tokens of one sequence from t0). */
+static void amx_group_keys(amx_unit *u, const attn_call *call, int64_t g, int64_t t0, amx_run *run) {
     const rudder_attn_step *s = call->s;
-    int64_t pos0 = s->positions[t0], ctx_all = pos0 + rows;
+    int64_t rows = u->rows, pos0 = s->positions[t0], ctx_all = pos0 + rows;
     const int64_t *table = s->tables + s->seq_of[t0] * s->width;
-    amx_unit u;
-    float stack[AMX_STACK_FLOATS] __attribute__((aligned(64)));
-    if (amx_unit_new(&u, s, rows, stack)) {
-        amx_unit_free(&u, stack);
-        return -1;
-    }
-    for (int64_t i = 0; i < rows; i++)
-        amx_start(&u, call, g, i, t0 + i, pos0 + i);
     for (int64_t p0 = 0; p0 < ctx_all; p0 += RUN * TILE) {
         amx_load_run(run, call, g, table, p0, ctx_all);
         int64_t first = p0 > pos0 ? p0 - pos0 : 0; /* rows whose context ends before p0 are done */
@@ -956,27 +949,16 @@ static int amx_group(const attn_call *call, int64_t g, int64_t t0, int64_t rows,
             int64_t left = pos0 + i + 1 - p0;
             n[i - first] = left < RUN * TILE ? (int)left : RUN * TILE;
         }
-        amx_attend_run(&u, first, rows, n, run);
+        amx_attend_run(u, first, rows, n, run);
     }
-    for (int64_t i = 0; i < rows; i++)
-        amx_end(&u, call, g, i, t0 + i);
-    amx_unit_free(&u, stack);
-    return 0;
 }
 
-/* A cascade: CASCADE_BODY's keys, in runs - the shared ones for every row at once. */
-static int amx_cascade(const attn_call *call, int64_t g, int64_t unit, amx_run *run) {
+/* A cascade's keys: CASCADE_BODY's tiles, in runs - the shared ones for every row at once, then
+ * each row's own. */
+static void amx_cascade_keys(amx_unit *u, const attn_call *call, int64_t g, int64_t unit, const int64_t *tok,
+                             amx_run *run) {
     const rudder_attn_step *s = call->s;
-    int64_t rows = call->cascade_rows[unit], shared = call->cascade_shared[unit];
-    const int64_t *tok = call->cascade_tokens + call->cascade_first[unit];
-    amx_unit u;
-    float stack[AMX_STACK_FLOATS] __attribute__((aligned(64)));
-    if (amx_unit_new(&u, s, rows, stack)) {
-        amx_unit_free(&u, stack);
-        return -1;
-    }
-    for (int64_t i = 0; i < rows; i++)
-        amx_start(&u, call, g, i, tok[i], s->positions[tok[i]]);
+    int64_t rows = u->rows, shared = call->cascade_shared[unit];
     int whole[MAX_GROUP];
     for (int64_t i = 0; i < rows; i++)
         whole[i] = RUN * TILE;
@@ -988,28 +970,46 @@ static int amx_cascade(const attn_call *call, int64_t g, int64_t unit, amx_run *
             amx_load_run(run, call, g, table, p0, to);
             int n = to - p0 < RUN * TILE ? (int)(to - p0) : RUN * TILE;
             if (own < 0)
-                amx_attend_run(&u, 0, rows, whole, run);
+                amx_attend_run(u, 0, rows, whole, run);
             else
-                amx_attend_run(&u, own, own + 1, &n, run);
+                amx_attend_run(u, own, own + 1, &n, run);
         }
     }
+}
+
+/* One (unit, KV head) item: a cascade's rows, or a group's (a row alone is a group of one). */
+static void attend_amx(void *p, int64_t item) {
+    const attn_call *call = (const attn_call *)p;
+    const rudder_attn_step *s = call->s;
+    int64_t kvh = s->kv_heads, g = item % kvh, unit = item / kvh, tok[MAX_GROUP], rows;
+    int cascade = unit < call->cascades;
+    if (cascade) {
+        rows = call->cascade_rows[unit];
+        memcpy(tok, call->cascade_tokens + call->cascade_first[unit], (size_t)rows * sizeof(int64_t));
+    } else {
+        rows = call->group_rows[unit - call->cascades];
+        for (int64_t i = 0; i < rows; i++)
+            tok[i] = call->group_first[unit - call->cascades] + i;
+    }
+    amx_unit u;
+    amx_run run __attribute__((aligned(64))); /* (with the state below ~115 KiB: the pool's threads have 1 MiB stacks) */
+    float stack[AMX_STACK_FLOATS] __attribute__((aligned(64)));
+    if (amx_unit_new(&u, s, rows, stack)) { /* (no memory for its state: rudder_attention returns -2) */
+        amx_unit_free(&u, stack);
+        __atomic_store_n(call->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t i = 0; i < rows; i++)
+        amx_start(&u, call, g, i, tok[i], s->positions[tok[i]]);
+    attention_tiles_on();
+    if (cascade)
+        amx_cascade_keys(&u, call, g, unit, tok, &run);
+    else
+        amx_group_keys(&u, call, g, tok[0], &run);
+    _tile_release();
     for (int64_t i = 0; i < rows; i++)
         amx_end(&u, call, g, i, tok[i]);
     amx_unit_free(&u, stack);
-    return 0;
-}
-
-static void attend_amx(void *p, int64_t item) {
-    const attn_call *call = (const attn_call *)p;
-    int64_t kvh = call->s->kv_heads, g = item % kvh, unit = item / kvh;
-    amx_run run __attribute__((aligned(64))); /* (64 KiB: the pool's threads have 1 MiB stacks) */
-    attention_tiles_on();
-    int rc = unit < call->cascades ? amx_cascade(call, g, unit, &run)
-                                   : amx_group(call, g, call->group_first[unit - call->cascades],
-                                               call->group_rows[unit - call->cascades], &run);
-    _tile_release();
-    if (rc) /* (no memory for a unit's state: rudder_attention returns -2) */
-        __atomic_store_n(call->failed, 1, __ATOMIC_RELAXED);
 }
 #endif
 
