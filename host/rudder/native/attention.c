@@ -753,7 +753,7 @@ static int64_t slot_of(const amx_unit *u, int64_t i, int64_t r) {
 static int amx_unit_new(amx_unit *u, const rudder_attn_step *s, int64_t rows, float *stack) {
     int64_t d = s->head_dim, rep = s->heads / s->kv_heads, per = 16 / rep, slots = (rows + per - 1) / per * 16;
     u->d = d, u->rep = rep, u->per_chunk = per, u->rows = rows, u->q = 0, u->o = 0;
-    if (slots * d <= AMX_STACK_FLOATS / 2 * 1) { /* q (bf16) and o (fp32) in the stack's floats */
+    if (slots * d <= AMX_STACK_FLOATS / 2) { /* o (fp32), then q (bf16: half as many floats) */
         u->o = stack;
         u->q = (uint16_t *)(stack + slots * d);
     } else {
@@ -803,7 +803,7 @@ static void amx_end(const amx_unit *u, const attn_call *call, int64_t g, int64_t
     }
 }
 
-/* Tiles of keys from p0 (at most `tiles`, up to `to`) of `table`'s sequence into the run. */
+/* Up to RUN tiles of keys from p0 (up to position `to`) of `table`'s sequence into the run. */
 static void amx_load_run(amx_run *run, const attn_call *call, int64_t g, const int64_t *table, int64_t p0,
                          int64_t to) {
     const rudder_attn_step *s = call->s;
