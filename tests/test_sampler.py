@@ -390,3 +390,87 @@ def test_a_uniform_that_rounds_to_one_still_draws_an_allowed_token():
     weights = torch.zeros(V)
     weights[[3, 10, 17]] = 1 / 3
     assert _inverse_cdf(weights, _LastDraw().random()) in (3, 10, 17)
+
+
+@pytest.mark.parametrize("peaked", [False, True])
+def test_native_weights_match_torch_softmax(peaked):
+    """native/sample.c's weights (the CPU's) are torch's softmax of the tempered logits, cut by
+    top-k, top-p and min-p, to float rounding: the same tokens cut, cut ones at exactly 0; a row
+    with nothing allowed weighs 0 everywhere. Peaked rows find their thresholds among a few
+    likely tokens, flat ones through the histogram (sample.c)."""
+    from rudder.engine.sampler import _native, _torch_weights, sampling_weights
+
+    x = torch.randn(8, 49159, generator=torch.Generator().manual_seed(1)) * 4  # (not a multiple of 16)
+    if peaked:
+        x[:, 100:130] += torch.linspace(20, 8, 30)
+    assert _native(x) is not None
+    x[1, 7:] = float("-inf")
+    x[2, :] = float("-inf")
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=2.0, top_k=40), SamplingParams(temperature=0.5, top_p=0.9, min_p=0.01),
+              SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.3, top_k=500, top_p=0.5),
+              SamplingParams(temperature=0.7, min_p=0.2)]
+    got = sampling_weights(x, params).double()
+    assert (got[1, 7:] == 0).all() and (got[2] == 0).all()  # (torch's softmax gives NaN for row 2)
+    keep = [0, 1, 3, 4, 5, 6, 7]
+    got, want = got[keep], _torch_weights(x[keep], [params[j] for j in keep]).double()
+    assert torch.equal(got == 0, want == 0)  # the same tokens cut, the same masked
+    assert (got[keep.index(5)] > 0).sum() == 3  # (top-k 3)
+    live = want > 1e-30
+    assert ((got - want).abs()[live] / want[live]).max() < 2e-5
+    for j in range(6):  # (row 7's min_p drops mass: it sums to less)
+        assert got[j].sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_native_cuts_keep_ties_at_the_threshold():
+    """Tokens as likely as the k-th (top-k) or as the nucleus's last (top-p) all stay, as in the
+    sort-based definition."""
+    from rudder.engine.sampler import sampling_weights
+
+    x = torch.full((2, 300), -10.0)
+    x[:, [3, 50, 51, 52, 299]] = torch.tensor([5.0, 4.0, 4.0, 4.0, 1.0])
+    w = sampling_weights(x, [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8)])
+    assert torch.nonzero(w[0]).flatten().tolist() == [3, 50, 51, 52]
+    assert torch.nonzero(w[1]).flatten().tolist() == [3, 50, 51, 52]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([1, 15, 16, 255, 256, 257, 1000, 49152, 49159]),
+       live=st.integers(1, 5), u=st.one_of(st.floats(0, 1, exclude_max=True), st.just(1.0 - 2.0 ** -53),
+                                             st.just(0.0)))
+def test_native_draw_lands_on_a_weighted_token_where_the_cdf_says(seed, n, live, u):
+    """The native draw (blocks summed in lanes, then one block's weights one by one) picks a
+    token of positive weight whatever the row's length and where its few weighted tokens lie, and
+    the one a float64 inverse CDF picks unless the draw falls within float rounding of a boundary."""
+    from rudder.engine.sampler import draw
+
+    gen = np.random.default_rng(seed)
+    w = np.zeros(n, dtype=np.float32)
+    at = gen.choice(n, size=min(live, n), replace=False)
+    w[at] = gen.random(len(at)).astype(np.float32) + 1e-3
+    tok = int(draw(torch.from_numpy(w).unsqueeze(0), [u])[0])
+    assert w[tok] > 0
+    cdf = np.cumsum(w.astype(np.float64))
+    target = np.float64(np.float32(u)) * cdf[-1]
+    if target < cdf[-1] * (1 - 1e-5):
+        lo = cdf[tok] - w[tok]
+        assert lo - 1e-5 * cdf[-1] <= target < cdf[tok] + 1e-5 * cdf[-1]
+
+
+def test_native_and_torch_draws_agree_but_at_rounding():
+    """The CPU's native draw and torch's cumulative-sum draw (a GPU's) follow one rule: over many
+    uniforms on SmolLM2-sized rows they pick the same token but for float rounding at boundaries."""
+    from rudder.engine.sampler import _torch_weights, draw, sampling_weights
+
+    x = torch.randn(16, 49152, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(temperature=0.9)] * 16
+    native_w, torch_w = sampling_weights(x, params), _torch_weights(x, params)
+    gen = np.random.default_rng(5)
+    same = total = 0
+    for _ in range(200):
+        u = gen.random(16).tolist()
+        a = draw(native_w, u)
+        b = draw(torch_w.double(), u)  # (float64 rows take the fallback: torch's cumulative sum)
+        same += int((a == b).sum())
+        total += 16
+    assert same / total > 0.995

@@ -13,7 +13,9 @@ scatter into the logits: the work follows the history's length, never the vocabu
 
 Randomness: every sequence owns a `numpy.random.Generator`; a sampled token consumes exactly
 one uniform draw from it (inverse-CDF sampling), so a seeded request gives the same tokens
-whatever else shares its batch.
+whatever else shares its batch. On the CPU the sampled rows' weights and their draws are
+native passes over each row (`rudder/native/sample.c`) into a buffer kept across steps; on a
+GPU, torch's softmax and cumulative sum.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.num_words = mask_words(vocab_size)
         self._penalty = np.zeros((0, self.num_words * 32), dtype=np.float32)
+        self._weights = torch.empty(0, vocab_size)  # sampled rows' weights, reused across steps
 
     def _penalty_rows(self, n: int) -> np.ndarray:
         if self._penalty.shape[0] < n:  # grows rarely: reused across steps
@@ -239,28 +242,64 @@ class Sampler:
         return SampleOutput(tokens, [None] * len(tokens))
 
     def _sample_rows(self, logits, rows, params, rngs) -> torch.Tensor:
-        weights = sampling_weights(take_rows(logits, rows), [params[i] for i in rows])
-        u = torch.tensor([draw_uniform(params[i], rngs[i]) for i in rows], dtype=weights.dtype, device=weights.device)
-        return inverse_cdf(weights.cumsum_(dim=-1), u)
+        x = take_rows(logits, rows)
+        if self._weights.shape[0] < len(rows) or self._weights.shape[1] != x.shape[1]:  # grows rarely
+            self._weights = torch.empty(max(len(rows), 2 * self._weights.shape[0]), x.shape[1])
+        out = self._weights[: len(rows)] if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        weights = sampling_weights(x, [params[i] for i in rows], out)
+        return draw(weights, [draw_uniform(params[i], rngs[i]) for i in rows])
 
 
-def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Each row's token from its cumulative weights `cdf` [rows, V] and its uniform `u` [rows] in
-    [0, 1): the first token whose cumulative weight passes u times the row's total (the total, not
-    1: float rounding, min_p's zeros). The scaled draw is kept below the total - in float32 a u
-    just under 1 rounds to 1 - so a token of no weight (masked, or cut by top-k, top-p or min-p)
-    is never drawn; a row with no weight at all gives V - 1 (its mask says so to the caller)."""
+def _native(t: torch.Tensor):
+    """sample.c's kernels for a tensor whose rows they can read (fp32 on the CPU, unit stride), or None."""
+    if t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1:
+        return None
+    return native.sample_kernels()
+
+
+def draw(weights: torch.Tensor, u: list[float]) -> torch.Tensor:
+    """Each row's token from its weights [rows, V] and its uniform in [0, 1): the first token whose
+    cumulative weight passes u times the row's total (the total, not 1: float rounding, min_p's
+    zeros). The scaled draw is kept below the total - in float32 a u just under 1 rounds to 1 - so
+    a token of no weight (masked, or cut by top-k, top-p or min-p) is never drawn; a row with no
+    weight at all gives V - 1 (its mask says so to the caller). On the CPU, native/sample.c
+    (how it sums the row is said there); elsewhere torch's cumulative sum."""
+    lib = _native(weights)
+    if lib is not None:
+        base, stride, n = weights.data_ptr(), weights.stride(0) * 4, weights.shape[1]
+        return torch.tensor([lib.rudder_draw_row(base + i * stride, n, value) for i, value in enumerate(u)])
+    cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1]
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(torch.tensor(u, dtype=cdf.dtype, device=cdf.device) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
-def sampling_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def sampling_weights(x: torch.Tensor, params: list[SamplingParams], out: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution each row samples from, as weights proportional to its probabilities: the
     one definition of temperature, top-k, top-p and min-p, for the Sampler and for speculative
-    verification alike. `x`: [rows, V] logits after masks and logit processing, left as they are
-    (the scaled copy is the one pass that also copies); every row's temperature is > 0. A row
-    sums to 1 unless min_p dropped tokens (then to less: divide by the sum for probabilities)."""
+    verification alike. `x`: [rows, V] logits after masks and logit processing, left as they are;
+    every row's temperature is > 0. `out` ([rows, V] fp32, optional) takes the weights (the
+    Sampler's, kept across steps). Top-k keeps the k most likely tokens (and ties with the k-th),
+    top-p then the fewest most likely whose mass reaches top_p (ties with the last too), min_p
+    drops what is under min_p times the most likely token. A row sums to 1 unless min_p dropped
+    tokens (then to less: divide by the sum for probabilities). On the CPU, native/sample.c;
+    elsewhere torch."""
+    lib = _native(x)
+    if lib is None:
+        return _torch_weights(x, params)
+    out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+    n, base, stride = x.shape[1], x.data_ptr(), x.stride(0) * 4
+    for j, p in enumerate(params):
+        row = out[j].data_ptr()
+        lib.rudder_softmax_row(base + j * stride, n, 1.0 / p.temperature, row)
+        if 0 < p.top_k < n or p.top_p < 1.0 or p.min_p > 0:
+            lib.rudder_cut_row(row, n, p.top_k if 0 < p.top_k < n else 0, p.top_p, p.min_p)
+    return out
+
+
+def _torch_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """sampling_weights on a GPU (or without the native library): the same cuts as sample.c's."""
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
     x = x / temps.unsqueeze(1)
     for j, p in enumerate(params):
@@ -270,7 +309,7 @@ def sampling_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         if p.top_p < 1.0:
             keep_nucleus(x[j], p.top_p)
     probs = x.softmax(dim=-1)
-    for j, p in enumerate(params):  # min_p: drop what is under min_p times the most likely token
+    for j, p in enumerate(params):
         if p.min_p > 0:
             probs[j].masked_fill_(probs[j] < probs[j].max() * p.min_p, 0.0)
     return probs

@@ -38,7 +38,7 @@ import torch
 from ..branch import Branch
 from .branching import Sample, Steering, ends_sequence, mask_allows, tokens_after
 from .drafts import DraftModel, PromptLookup
-from .sampler import Sampler, argmax, inverse_cdf, sampling_weights, take_rows
+from .sampler import Sampler, argmax, draw, sampling_weights, take_rows
 from .scheduler import Headroom
 from .sequence import Sequence
 
@@ -252,9 +252,8 @@ def _probs(row: torch.Tensor, params) -> torch.Tensor:
 
 
 def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
-    """The token a uniform draws from a row's weights, by the sampler's rule (sampler.inverse_cdf)."""
-    u = torch.tensor([u], dtype=weights.dtype, device=weights.device)  # (a GPU's rows stay there)
-    return int(inverse_cdf(weights.cumsum(0).unsqueeze(0), u)[0])
+    """The token a uniform draws from a row's weights, by the sampler's rule (sampler.draw)."""
+    return int(draw(weights.unsqueeze(0), [u])[0])
 
 
 class EngineView(Protocol):

@@ -5,7 +5,8 @@ builds controllers) and called through cffi.
 `mask_kernel()` returns the kernel, or None when it cannot be built (no zig, an odd platform;
 the reason is in `unavailable_reason`): callers then use their numpy path. `deadline.c` is the
 sandbox's CPU-time deadline (controller/store.py); without it deadlines are wall-clock.
-`model_kernels()` gives the model's kernels (attention.c, linear.c, norm.c, decoder.c; model.py and
+`sample_kernels()` gives sampling's passes over a row (sample.c). `model_kernels()` gives the
+model's kernels (attention.c, linear.c, norm.c, decoder.c; model.py and
 packed_linear.py call them through `rudder.kernels`), with helper threads of their own that the
 caller never waits for unless they took work (parallel.c), or None.
 
@@ -37,7 +38,7 @@ import cffi
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("mask.c", "ticker.c", "deadline.c", "parallel.c", "attention.c", "linear.c", "norm.c", "decoder.c",
-                        "crash.c")]
+                        "sample.c", "crash.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]
 _CDEF = """
 void rudder_apply_mask(float *logits, const uint32_t *words, size_t n_tokens);
@@ -90,6 +91,9 @@ int rudder_decoder(const rudder_layer *layers, int64_t n_layers, const rudder_at
                    int64_t hidden, float eps, uintptr_t kv, int64_t layer_stride, int32_t threads);
 void rudder_rms_norm(uintptr_t x, int32_t x_bf16, uintptr_t weight, int32_t w_bf16, uintptr_t out, int32_t out_bf16,
                      int64_t m, int64_t k, float eps);
+void rudder_softmax_row(uintptr_t x, int64_t n, float inv_t, uintptr_t out);
+int64_t rudder_draw_row(uintptr_t w, int64_t n, float u);
+void rudder_cut_row(uintptr_t w, int64_t n, int64_t top_k, float top_p, float min_p);
 """
 
 ffi = cffi.FFI()
@@ -260,6 +264,11 @@ def mask_kernel():
     """`rudder_apply_mask(float *logits, const uint32_t *words, size_t n)`, or None."""
     lib = library()
     return None if lib is None else lib.rudder_apply_mask
+
+
+def sample_kernels():
+    """The library with sample.c's `rudder_softmax_row`, `rudder_cut_row` and `rudder_draw_row`, or None."""
+    return library()
 
 
 class NativeTicker:

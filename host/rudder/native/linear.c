@@ -75,19 +75,6 @@ int rudder_linear_init(void) {
 /* Whether rudder_linear_init got AMX's tile state (attention.c takes its tiles path then). */
 int rudder_amx_on(void) { return amx_usable; }
 
-/* exp(x) over the whole float range (clamped), 16 lanes: the SwiGLU epilogue's sigmoid. */
-static inline v16f exp16(v16f x) {
-    x = __builtin_elementwise_min(__builtin_elementwise_max(x, (v16f){0} - 87.0f), (v16f){0} + 88.0f);
-    v16f n = __builtin_elementwise_floor(x * 1.44269504088896341f + 0.5f);
-    v16f r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187045e-06f;
-    v16f p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
-
 typedef struct {
     const uint16_t *x;   /* bf16: [m, k] (AMX: padded to whole 16-row tiles) */
     const uint8_t *lo, *hi; /* int8: x's planes [m, k] (padded likewise) */
