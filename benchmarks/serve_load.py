@@ -1,7 +1,7 @@
 """Streaming load on `rudder serve` and on llama.cpp's `llama-server`, both in one run.
 
     .venv/bin/python benchmarks/serve_load.py --llama-server /path/to/llama-server \\
-        [--loads streams32,shared16] [--rounds 2] [--max-tokens 64] [--json FILE]
+        [--loads streams32,shared16] [--model-threads shared,all] [--rounds 2] [--max-tokens 64] [--json FILE]
     .venv/bin/python benchmarks/serve_load.py --loads mix [--clients 32] [--requests 2] [--max-tokens 32]
 
 Loads (each one wave of streamed chat requests sent at once, measured from the client):
@@ -14,6 +14,10 @@ Loads (each one wave of streamed chat requests sent at once, measured from the c
   cycling through the endpoints and constraints rudder serves (chat, a legacy completion,
   `/v1/run` with 2 forks and with a backtracking controller, json_schema, guided_regex, a choice,
   a required tool call); errors (goal: 0) and the server's RSS before and after.
+
+rudder runs once per `--model-threads` value (default `shared,all`, two servers started side by
+side): `rudder` is its default (`shared`: the model's kernels on one core, the other kept for
+tenants' controllers), `rudder all` gives the model both cores, as llama-server's `-t 2` does.
 
 Reported per load and server: generated tokens/s (completion tokens over the wave's wall time),
 time to first token and inter-token latency p50/p99 (gaps between chunks that carry text), the
@@ -397,6 +401,9 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, help="the GGUF llama-server serves (default: SmolLM2's, under $RUDDER_HOME)")
     ap.add_argument("--model", default="smollm2", help="what rudder serves")
     ap.add_argument("--rudder-flag", action="append", default=[], help="an extra `rudder serve` argument (repeatable)")
+    ap.add_argument("--model-threads", default="shared,all",
+                    help="comma-separated `rudder serve --model-threads` values, one rudder server each (shared: "
+                         "rudder's default, a core kept for tenants' controllers; all: both cores, as llama-server's -t 2)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--clients", type=int, default=32, help="mix: concurrent clients")
@@ -417,15 +424,21 @@ def main() -> None:
 
         gguf = next(model_dir().expanduser().glob("*.gguf"))
     state = tempfile.TemporaryDirectory(prefix="serve-load-")
-    rudder = start_rudder(args.model, 32, args.max_tokens, state.name, args.rudder_flag)
+    rudders: dict[str, Server] = {}  # by name: "rudder" (--model-threads shared), "rudder all", ...
     rows: list[dict] = []
     try:
+        for threads in args.model_threads.split(","):
+            name = "rudder" if threads == "shared" else f"rudder {threads}"
+            own_state = Path(state.name) / threads
+            own_state.mkdir()
+            rudders[name] = start_rudder(args.model, 32, args.max_tokens, str(own_state),
+                                         [*args.rudder_flag, "--model-threads", threads])
         for round_ in range(args.rounds):
             for load in loads:
-                servers = ["rudder"] + (["llama-server"] if args.llama_server else [])
+                servers = [*rudders] + (["llama-server"] if args.llama_server else [])
                 for name in servers if round_ % 2 == 0 else servers[::-1]:
-                    if name == "rudder":
-                        measured = run_load(load, rudder.url, args.max_tokens, round_, args.time_limit, True)
+                    if name in rudders:
+                        measured = run_load(load, rudders[name].url, args.max_tokens, round_, args.time_limit, True)
                     else:
                         llama = start_llama(args.llama_server, gguf, 32 if load == "streams32" else 16)
                         try:
@@ -436,10 +449,11 @@ def main() -> None:
                         row.update(server=name, round=round_)
                         rows.append(row)
                         own = (f"; rudder's own ITL p50 / p99 {row['server_itl_p50_ms']:.0f} / "
-                               f"{row['server_itl_p99_ms']:.0f} ms" if name == "rudder" else "")
+                               f"{row['server_itl_p99_ms']:.0f} ms" if name in rudders else "")
                         print(fmt_row(row["load"], name, row) + f" (round {round_ + 1}{own})", flush=True)
     finally:
-        rudder.stop()
+        for server in rudders.values():
+            server.stop()
         state.cleanup()
 
     names = list(dict.fromkeys(r["load"] for r in rows))
@@ -461,11 +475,12 @@ def main() -> None:
             print(line)
             summary.append({"load": load, "server": name, **med})
     for load in names:  # ratios within each round, where both ran
-        pairs = [(a, b) for a in rows for b in rows if a["load"] == b["load"] == load and a["round"] == b["round"]
-                 and a["server"] == "rudder" and b["server"] == "llama-server"]
-        if pairs:
-            ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs if b["tokens_per_s"])
-            print(f"{load}: rudder/llama-server tokens/s per round: {', '.join(f'{x:.2f}x' for x in ratios)}")
+        for name in rudders:
+            pairs = [(a, b) for a in rows for b in rows if a["load"] == b["load"] == load and a["round"] == b["round"]
+                     and a["server"] == name and b["server"] == "llama-server"]
+            if pairs:
+                ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs if b["tokens_per_s"])
+                print(f"{load}: {name}/llama-server tokens/s per round: {', '.join(f'{x:.2f}x' for x in ratios)}")
     errors = [r["first_error"] for r in rows if r.get("first_error")]
     for e in errors[:5]:
         print("error:", e)
