@@ -268,6 +268,11 @@ def draw(weights: torch.Tensor, u: list[float]) -> torch.Tensor:
     if lib is not None:
         base, stride, n = weights.data_ptr(), weights.stride(0) * 4, weights.shape[1]
         return torch.tensor([lib.rudder_draw_row(base + i * stride, n, value) for i, value in enumerate(u)])
+    return _torch_draw(weights, u)
+
+
+def _torch_draw(weights: torch.Tensor, u: list[float]) -> torch.Tensor:
+    """draw on a GPU (or without the native library)."""
     cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1]
     target = torch.minimum(torch.tensor(u, dtype=cdf.dtype, device=cdf.device) * total,
