@@ -9,6 +9,7 @@ import string
 import pytest
 
 from component_util import sdk
+from rudder.controller.limits import Limits
 from rudder.server import ServerConfig
 from serve_util import LiveServer
 
@@ -18,12 +19,12 @@ LOG_CAP = 64 << 10
 @pytest.fixture(scope="module")
 def server():
     # A step's deadline well past what the memory bombs take to reach the memory limit: a whole
-    # request of theirs takes 15-70 ms alone, and beside the suite's other worker a bomb once ran
-    # past the default 25 ms and failed as a timeout. Each now fails the way its mode names,
-    # whatever the machine's load; the loops still time out.
+    # request of theirs takes 15-70 ms alone, and beside the suite's other worker a bomb ran past
+    # the default 25 ms and failed as a timeout. Each now fails the way its mode names, whatever
+    # the machine's load; the loops still time out. (Limits, not a dict: a dict only lowers the
+    # defaults, so {"mid_process_ms": 250} left the deadline at 25 ms.)
     cfg = ServerConfig(model="tiny", max_concurrent=8, max_queue=16, max_upload_bytes=64 << 20,
-                       controller_limits={"max_log_bytes": LOG_CAP, "memory_bytes": 32 << 20,
-                                          "mid_process_ms": 250})
+                       controller_limits=Limits(max_log_bytes=LOG_CAP, memory_bytes=32 << 20, mid_process_ms=250))
     with LiveServer(cfg) as s:
         yield s
 

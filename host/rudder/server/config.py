@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..paths import rudder_home
 from ..reasoning import Reasoning
 from .auth import KeyRing
+
+if TYPE_CHECKING:
+    from ..controller.limits import Limits
 
 
 @dataclass
