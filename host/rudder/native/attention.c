@@ -258,7 +258,7 @@ static inline v16f reduce16(const v16f p[16]) {
 /* Head r of a row takes `top` as its running max: its sums and `total` scaled to it. */
 #define RESCALE_ROW(D, r, top, total)                                                              \
     do {                                                                                           \
-        float corr_ = exp16((v16f){0} + (mi[r] - (top)))[0];                                   \
+        float corr_ = exp16_neg((v16f){0} + (mi[r] - (top)))[0];                                   \
         (total) *= corr_;                                                                          \
         for (int c_ = 0; c_ < (D) / 16; c_++)                                                      \
             ai[(r) * ((D) / 16) + c_] *= corr_;                                                    \
@@ -341,7 +341,7 @@ static inline v16f reduce16(const v16f p[16]) {
             if (__builtin_reduce_or(x > mi[r] + LAZY_MAX)) /* (rarely: the exps need not wait) */  \
                 RESCALE_ROW(D, r, hmax16(x), lv[r]);                                               \
             uint16_t wh[TILE];                                                                     \
-            v16f e = exp16(x - mi[r]);                                                         \
+            v16f e = exp16_neg(x - mi[r]);                                                         \
             store16_bf16_fast(wh, n < TILE ? e * keep : e);                                        \
             lv[r] += load16_bf16(wh);                                                              \
             memcpy(wp[r], wh, sizeof wh);                                                          \
@@ -385,7 +385,7 @@ static inline v16f reduce16(const v16f p[16]) {
             top = top > mi[r] ? top : mi[r];                                                       \
             if (top > mi[r]) /* (else the factor would be exp(0) = 1 exactly) */                  \
                 RESCALE_ROW(D, r, top, li[r]);                                                     \
-            sc[r] = exp16(x - top);                                                            \
+            sc[r] = exp16_neg(x - top);                                                            \
             li[r] += hsum16(sc[r]);                                                                \
         }                                                                                          \
         /* the weights as floats (each broadcast from memory) and the row's sums in locals         \
@@ -865,7 +865,7 @@ static void amx_attend_run(amx_unit *u, int64_t lo, int64_t hi, const int *n, co
                     v16f top16 = x[0];
                     for (int t = 1; t < in; t++)
                         top16 = __builtin_elementwise_max(top16, x[t]);
-                    float top = hmax16(top16), corr = exp16((v16f){0} + (u->m[at] - top))[0];
+                    float top = hmax16(top16), corr = exp16_neg((v16f){0} + (u->m[at] - top))[0];
                     u->lv[at] *= corr;
                     for (int64_t c = 0; c < d / 16; c++)
                         store16_f32(oc + sl * d + 16 * c, load16_f32(oc + sl * d + 16 * c) * corr);
@@ -873,7 +873,7 @@ static void amx_attend_run(amx_unit *u, int64_t lo, int64_t hi, const int *n, co
                 }
                 for (int t = 0; t < in; t++) {
                     int nt = ni - t * TILE < TILE ? ni - t * TILE : TILE;
-                    v16f e = exp16(x[t] - u->m[at]);
+                    v16f e = exp16_neg(x[t] - u->m[at]);
                     store16_bf16_fast(w[t][sl], nt < TILE ? e * lanes_below(nt, 1.0f, 0.0f) : e);
                     u->lv[at] += load16_bf16(w[t][sl]);
                 }

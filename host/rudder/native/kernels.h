@@ -136,11 +136,10 @@ static inline float hsum16(v16f v) {
     return v[0];
 }
 
-/* exp(x) over the whole float range (clamped to [-87, 88]), 16 lanes: Cody-Waite reduction and a
- * degree-6 polynomial, ~2e-7 relative error. The softmax of attention (attention.c), the SwiGLU
- * epilogue's sigmoid (linear.c) and sampling's weights (sample.c). */
-static inline v16f exp16(v16f x) {
-    x = __builtin_elementwise_min(__builtin_elementwise_max(x, (v16f){0} - 87.0f), (v16f){0} + 88.0f);
+/* exp(x) for x <= 0 (clamped below at -87), 16 lanes: Cody-Waite reduction and a degree-6
+ * polynomial, ~2e-7 relative error. Softmaxes: attention's (attention.c) and sampling's (sample.c). */
+static inline v16f exp16_neg(v16f x) {
+    x = __builtin_elementwise_max(x, (v16f){0} - 87.0f);
     v16f n = __builtin_elementwise_floor(x * 1.44269504088896341f + 0.5f);
     v16f r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187045e-06f;
@@ -150,5 +149,8 @@ static inline v16f exp16(v16f x) {
     memcpy(&scale, &e, sizeof scale);
     return p * scale;
 }
+
+/* exp(x) over the whole float range (clamped to [-87, 88]): the SwiGLU epilogue's sigmoid (linear.c). */
+static inline v16f exp16(v16f x) { return exp16_neg(__builtin_elementwise_min(x, (v16f){0} + 88.0f)); }
 
 #endif

@@ -36,8 +36,8 @@ void rudder_softmax_row(const float *x, int64_t n, float inv_t, float *out) {
     v16f sum = {0};
     for (i = 0; i < n; i += 16) {
         v16f v = i + 16 <= n ? load16_f32(x + i) : load_tail(x + i, n - i, -INFINITY);
-        v16f e = exp16((v - m) * inv_t);
-        v16i cut = v == (v16f){0} - INFINITY; /* exp16 clamps: -inf would weigh e^-87 */
+        v16f e = exp16_neg((v - m) * inv_t);
+        v16i cut = v == (v16f){0} - INFINITY; /* exp16_neg clamps: -inf would weigh e^-87 */
         v16i bits;
         memcpy(&bits, &e, sizeof bits);
         bits &= ~cut;
