@@ -50,8 +50,8 @@ def torch_way(x: torch.Tensor, params: list[SamplingParams], u: list[float]) -> 
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def native_way(sampler: S.Sampler, x: torch.Tensor, params: list[SamplingParams], u: list[float]) -> torch.Tensor:
-    out = sampler._weights[: x.shape[0]]
+def native_way(out: torch.Tensor, x: torch.Tensor, params: list[SamplingParams], u: list[float]) -> torch.Tensor:
+    """The Sampler's way now: the weights into a buffer kept across steps, then the draw."""
     return S.draw(S.sampling_weights(x, params, out), u)
 
 
@@ -76,8 +76,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if S._native(torch.zeros(1, 16)) is None:
         sys.exit("sampling.py: the native library is not built here (rudder.native.unavailable_reason)")
-    sampler = S.Sampler(VOCAB)
-    sampler._weights = torch.empty(args.rows, VOCAB)
+    out = torch.empty(args.rows, VOCAB)
     u = np.random.default_rng(1).random(args.rows).tolist()
     print(f"sampling.py: {args.rows} rows x {VOCAB}, temperature 0.8, {args.steps} steps, torch threads {args.threads}\n")
     print("| case | torch ms (median / p90) | native ms (median / p90) | torch / native |\n| --- | ---: | ---: | ---: |")
@@ -86,7 +85,7 @@ def main() -> None:
         x = logits(args.rows, peaked)
         params = [SamplingParams(temperature=0.8, **cut)] * args.rows
         a = time_way(lambda b: torch_way(b, params, u), x, args.steps)
-        b = time_way(lambda b: native_way(sampler, b, params, u), x, args.steps)
+        b = time_way(lambda b: native_way(out, b, params, u), x, args.steps)
         q = {k: (statistics.median(v), sorted(v)[int(0.9 * len(v))]) for k, v in (("torch", a), ("native", b))}
         ratio = q["torch"][0] / q["native"][0]
         print(f"| {name} | {q['torch'][0]:.2f} / {q['torch'][1]:.2f} | {q['native'][0]:.2f} / {q['native'][1]:.2f} "

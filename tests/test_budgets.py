@@ -183,6 +183,22 @@ def test_a_refusal_names_its_reason(shape):
 
 def test_limits_are_only_lowered():
     assert Limits().capped({"max_tokenize_bytes": 5}).max_tokenize_bytes == 5
+    assert Limits().capped({"mid_process_ms": 60_000}).mid_process_ms == 25  # a request asking more gets the most
+
+
+def test_an_operators_raise_given_as_a_dict_is_refused_by_name():
+    """An operator's KEY=VALUE limits (a dict: --limit, an LLM's or ServerConfig's controller_limits)
+    lower the defaults; one above them is refused, not silently left at the default, and a
+    runtime built with it never starts. A Limits(...) sets higher limits."""
+    assert Limits().lowered({"max_forks": 2, "init_ms": None}).max_forks == 2
+    with pytest.raises(ValueError, match=r"mid_process_ms=250 \(default 25\)"):
+        Limits().lowered({"mid_process_ms": 250, "max_forks": 2})
+    with pytest.raises(ValueError, match="unknown controller limit"):
+        Limits().lowered({"mid_process_msec": 5})
+    with pytest.raises(ValueError, match="memory_bytes"):
+        ControllerRuntime(Tokenizer.byte_level(512), {"memory_bytes": 1 << 30}, cache_dir=False)
+    with ControllerRuntime(Tokenizer.byte_level(512), Limits(mid_process_ms=250), cache_dir=False) as rt:
+        assert rt.limits.mid_process_ms == 250
 
 
 @both

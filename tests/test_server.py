@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 import wasmtime
 
+from rudder.controller import Limits
 from rudder.controller.build import build_controller, builtin_controller
 from rudder.server import ServerConfig
 from serve_util import REWIND_C, LiveServer, apply_deltas, sse_events
@@ -27,7 +28,7 @@ HANG_WAT = controller_wat(mid='(call $log (i32.const 0x200) (i32.const 8)) (loop
 @pytest.fixture(scope="module")
 def server():
     cfg = ServerConfig(model="tiny", max_tokens=2000, max_concurrent=8, max_queue=8, max_upload_bytes=1 << 20,
-                       controller_limits={"mid_process_ms": 50})
+                       controller_limits=Limits(mid_process_ms=50))  # (a dict only lowers the defaults)
     with LiveServer(cfg) as s:
         yield s
 

@@ -213,6 +213,7 @@ def test_serve_maps_its_flags_onto_the_server_config(monkeypatch):
     (["--limit", "max_forks"], "expected KEY=NUMBER"),
     (["--limit", "mid_process_msec=5"], "unknown controller limit"),
     (["--limit", "max_forks=-1"], "max_forks"),
+    (["--limit", "mid_process_ms=250"], "mid_process_ms=250 (default 25); KEY=VALUE limits only lower them"),
     (["--max-upload-mb", "0"], "--max-upload-mb"),
     (["--max-queue", "-1"], "--max-queue"),
     (["--dtype", "fp16"], "--dtype 'fp16': expected auto, fp32, bf16 or int8"),

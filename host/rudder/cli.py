@@ -184,7 +184,7 @@ def _read_arg(arg: str, flag: str = "--arg") -> str:
 
 
 def _read_limits(items: list[str]) -> dict | None:
-    """`--limit KEY=VALUE` pairs as a dict of numbers (validated by the runtime's Limits)."""
+    """`--limit KEY=VALUE` pairs as a dict of numbers, each at most its default (Limits.lowered)."""
     limits = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -194,6 +194,9 @@ def _read_limits(items: list[str]) -> dict | None:
             raise ValueError(f"--limit {item}: expected KEY=NUMBER") from None
         if not sep:
             raise ValueError(f"--limit {item}: expected KEY=NUMBER")
+    from .controller import Limits
+
+    Limits().lowered(limits)  # an unknown key, a bad value or a raise fails here, in one line
     return limits or None
 
 
@@ -368,7 +371,8 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
           max_tokens: int = typer.Option(1024, "--max-tokens", min=1, help="The most tokens a request may ask for."),
           max_upload_mb: float = typer.Option(32.0, "--max-upload-mb", min=0.001, help="Largest .wasm upload, in MiB."),
           limit: list[str] = typer.Option([], "--limit", help="Lower a controller limit for every request, "
-                                          "e.g. --limit mid_process_ms=10 (as for `run`); repeatable."),
+                                          "e.g. --limit mid_process_ms=10 (as for `run`; a value above the "
+                                          "default is refused); repeatable."),
           api_key: list[str] = typer.Option([], "--api-key", help="Require this key (Authorization: Bearer KEY) on "
                                             "every /v1 route; repeatable; also RUDDER_API_KEY. Such keys are admins "
                                             "of tenant 'default'."),
@@ -481,9 +485,6 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to liste
                                                   "model_threads": _model_threads(model_threads),
                                                   "guest_memory_bytes": guest_memory_mb << 20,
                                                   "snapshot_bytes": snapshot_memory_mb << 20})
-            from .controller import Limits
-
-            Limits().capped(config.controller_limits or None)  # a bad --limit fails here, in one line
             _check_state(config)  # an unusable --state-dir or --state-url fails here, in one line
             # The model (and its pipeline stages) is up before the port is bound: a bad model or layout
             # is a one-line error, and under torchrun the ranks > 0 serve their stage here and exit.

@@ -63,6 +63,20 @@ class Limits:
         return replace(self, **lowered) if lowered else self
 
 
+    def lowered(self, requested: dict | None) -> "Limits":
+        """These limits lowered by an operator's `requested` (the CLI's `--limit`, a dict given as
+        an LLM's or a ServerConfig's controller_limits). Unlike a request's (`capped`), a value
+        above the current one is refused by name rather than taken as the current one: only a
+        `Limits(...)` of the operator's own sets higher limits."""
+        out = self.capped(requested)  # (unknown keys and bad values refused there)
+        above = sorted(k for k, v in (requested or {}).items() if v is not None and v > getattr(self, k))
+        if above:
+            raise ValueError("controller limit(s) above the defaults: " + ", ".join(
+                f"{k}={requested[k]:g} (default {getattr(self, k):g})" for k in above)
+                + "; KEY=VALUE limits only lower them (in Python, pass rudder.controller.Limits(...) to raise)")
+        return out
+
+
 def deadline_ticks(ms: float, tick_ms: float) -> int:
     """Epoch ticks for a deadline of `ms`: the deadline is armed at an arbitrary point inside
     the current tick, so one tick more than ceil(ms / tick) guarantees at least `ms`."""

@@ -105,7 +105,7 @@ class ControllerRuntime:
                  guest_memory_bytes: int = DEFAULT_GUEST_MEMORY, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
                  compile_limits: CompileLimits | None = None):
         if not isinstance(limits, Limits):
-            limits = Limits().capped(limits)
+            limits = Limits().lowered(limits)
         keep_resident = -(-int(keep_resident) // WASM_PAGE) * WASM_PAGE
         self.limits = limits
         self.tick_ms = tick_ms
