@@ -246,7 +246,7 @@ def test_a_hand_off_names_a_built_in_controller(rt):
 @pytest.mark.timeout(600)  # (builds and compiles the example it needs: the offline suite does not)
 def test_json_hand_off_on_smollm2():
     """(A step of 250 ms of CPU: what this checks is the hand-off, not the deadline. With the
-    default 25 ms, whose wall-clock cap is 200 ms, a Python component's step once waited that
+    default 25 ms, whose wall-clock cap was then 200 ms, a Python component's step once waited that
     long for a core on a 2-vCPU host while the suite's other worker ran a model.)"""
     import json
 

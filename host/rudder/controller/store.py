@@ -21,17 +21,26 @@ from .capi import TRAP_CODES, ffi, lib
 from .errors import ControllerError
 from .limits import deadline_ticks
 
-__all__ = ["Store", "NativeDeadlines", "native_deadlines", "wall_cap_ms", "known_failure", "describe",
+__all__ = ["Store", "NativeDeadlines", "native_deadlines", "wall_cap_ms", "WORKER_NICE", "known_failure", "describe",
            "instantiate_failure"]
 
 # Table elements one store may hold: a `table.grow` loop would otherwise eat host memory.
 TABLE_ELEMENTS = 1 << 20
 
 
+# The controller workers' niceness above the engine's threads (engine/controller_calls.py): on a
+# busy host the forward pass, which every request shares, comes first.
+WORKER_NICE = 10
+
+
 def wall_cap_ms(ms: float) -> float:
-    """The wall-clock cap of a call with a CPU budget of `ms`: room for a thread that waits for a
-    core on a busy machine (4x), never less than 100 ms more."""
-    return 4 * ms + 100
+    """The wall-clock cap of a call with a CPU budget of `ms`: room for a call on a controller
+    worker (WORKER_NICE) whose core three busy threads of normal priority share with it, never
+    less than 100 ms more. The kernel weighs a nice +10 thread at 110 against 1024, so there it
+    gets 1/29 of the core. (The former cap, 4 x + 100 ms, left room for three busy threads of
+    the worker's own priority: beside two ordinary ones, a worker's 10 ms calls took ~200-330 ms
+    and 14 of 15 were ended.)"""
+    return 29 * ms + 100
 
 
 class NativeDeadlines:

@@ -8,7 +8,8 @@ the GIL, so guests really run in parallel with the forward pass and with each ot
 The workers run at a lower CPU priority (nice +10) than the engine's and torch's threads: on a
 busy host the forward pass, which every request shares, comes first, and a tenant's controller
 gets what is left. Deadlines count a controller's own CPU time (native/deadline.c), so waiting
-for a core is never held against it. Each answer carries the CPU time the call took.
+for a core is never held against it, and the wall-clock cap that ends a starved call leaves room
+for that priority (controller/store.py). Each answer carries the CPU time the call took.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import threading
 import time
 from concurrent.futures import Future
 
-__all__ = ["ControllerCalls", "run_call", "WORKER_NICE"]
+from ..controller.store import WORKER_NICE  # (the calls' wall-clock cap is sized for it)
 
-WORKER_NICE = 10
+__all__ = ["ControllerCalls", "run_call", "WORKER_NICE"]
 
 
 def run_call(controller, branch_idx: int, backtrack: int, tokens) -> tuple[object, float]:

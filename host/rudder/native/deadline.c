@@ -5,9 +5,9 @@
  * thread's CPU time (host imports such as tokenizing run on it too) with the call's budget: under
  * budget, the deadline moves on by the ticks still left; over it, the callback returns an error
  * and the call ends. So a controller is charged for the time it computed, not for time its
- * thread waited for a core on a busy machine. A wall-clock cap (several times the budget) still
- * ends a call whose thread is starved for far too long. No Python, no GIL: this runs while the
- * engine thread holds it.
+ * thread waited for a core on a busy machine. A wall-clock cap (many times the budget:
+ * controller/store.py's wall_cap_ms) still ends a call whose thread is starved for far too long.
+ * No Python, no GIL: this runs while the engine thread holds it.
  *
  * Reading a thread's CPU clock is a system call (the monotonic clock is not), and
  * almost every call ends long before one tick. So arming reads only the monotonic clock and sets
