@@ -15,6 +15,7 @@ library they are wall-clock epochs (`deadline_ticks`).
 
 from __future__ import annotations
 
+import math
 import re
 
 from .capi import TRAP_CODES, ffi, lib
@@ -31,16 +32,18 @@ TABLE_ELEMENTS = 1 << 20
 # The controller workers' niceness above the engine's threads (engine/controller_calls.py): on a
 # busy host the forward pass, which every request shares, comes first.
 WORKER_NICE = 10
+# The kernel weighs a thread ~1.25x less per nice level (1024 at 0, 110 at +10): beside three busy
+# threads of normal priority a worker gets 1 / (1 + 3 * 1.25 ** WORKER_NICE) of its core (1/29).
+_WALL_FACTOR = math.ceil(1 + 3 * 1.25 ** WORKER_NICE)
 
 
 def wall_cap_ms(ms: float) -> float:
     """The wall-clock cap of a call with a CPU budget of `ms`: room for a call on a controller
     worker (WORKER_NICE) whose core three busy threads of normal priority share with it, never
-    less than 100 ms more. The kernel weighs a nice +10 thread at 110 against 1024, so there it
-    gets 1/29 of the core. (The former cap, 4 x + 100 ms, left room for three busy threads of
-    the worker's own priority: beside two ordinary ones, a worker's 10 ms calls took ~200-330 ms
-    and 14 of 15 were ended.)"""
-    return 29 * ms + 100
+    less than 100 ms more. (The former cap, 4 x + 100 ms, left room for three busy threads of the
+    worker's own priority: beside two ordinary ones, a worker's 10 ms calls took ~200-330 ms and
+    14 of 15 were ended.)"""
+    return _WALL_FACTOR * ms + 100
 
 
 class NativeDeadlines:
